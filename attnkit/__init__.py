@@ -1,0 +1,3 @@
+"""attnkit: retrofit the attention of pretrained Hugging Face language models."""
+
+__version__ = "0.1.0"

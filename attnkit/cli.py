@@ -1,0 +1,184 @@
+"""The `attnkit` command line: one parser, one handler per sub-command.
+
+Handlers are named as "module:function" and imported only when their sub-command runs, so
+`attnkit --help` is fast and a broken optional dependency affects only its own command.
+Every handler takes the parsed `argparse.Namespace`; it raises `AttnkitError` for bad input,
+which `main` turns into a one-line message and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from attnkit.errors import AttnkitError
+
+HANDLERS = {
+    "convert": "attnkit.converters.run:main",
+    "finetune": "attnkit.recipes.finetune:main",
+    "eval": "attnkit.evaluation.run:main",
+    "bench": "attnkit.evaluation.bench:main",
+    "push": "attnkit.io.hub:main",
+    "pretrain": "attnkit.recipes.pretrain:main",
+}
+
+MODEL_HELP = "a Hub id (owner/name), a local folder, or `reference` for the bundled model"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="rewrite a checkpoint's attention (MLA, DEX, DIFF)",
+        description="Rewrite the attention of MODEL and write a new checkpoint into OUT (atomically).",
+    )
+    p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex"], help="target attention")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must be empty or absent)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: source's)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the conversion math runs")
+    p.add_argument(
+        "--calib",
+        default="python",
+        metavar="SOURCE",
+        help="calibration text: python (stdlib), python+site, a .txt/.jsonl file or folder, hf:NAME[:CONFIG][:SPLIT]",
+    )
+    p.add_argument("--calib-tokens", type=int, default=65536, metavar="N", help="calibration tokens (default 65536)")
+    p.add_argument("--calib-seq-len", type=int, default=512, metavar="L", help="calibration sequence length")
+    p.add_argument("--seed", type=int, default=0, help="seed for calibration sampling")
+    mla = p.add_argument_group("MLA (--to mla)")
+    mla.add_argument("--kv-lora-rank", type=int, default=None, metavar="R", help="latent rank r (default 512, clipped for small models)")
+    mla.add_argument("--rope-dim", type=int, default=None, metavar="DR", help="decoupled RoPE dim d_r, even (default 64, clipped)")
+    mla.add_argument("--rope-method", choices=["rorope", "partial"], default="rorope", help="how RoPE is reduced to d_r dims")
+    mla.add_argument(
+        "--rope-frequencies",
+        choices=["exact", "geometric"],
+        default="exact",
+        help="exact: keep each kept component at its source frequency (longrope factors); geometric: plain theta ladder with folding",
+    )
+    mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="total KV-cache budget as a fraction of the source's; ranks allocated per layer")
+    dex = p.add_argument_group("DEX (--to dex)")
+    dex.add_argument("--heads", default="auto", help="auto | all | FRACTION in (0, 1]: heads that get the differential op")
+    dex.add_argument("--heads-fraction", type=float, default=0.5, help="fraction of heads per layer that `auto` selects")
+
+
+def _add_finetune(sub) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="heal a converted model (one process; use `accelerate launch -m attnkit.finetune` for several)",
+        description="Fine-tune a converted model from a YAML recipe; `key=value` overrides follow the config.",
+    )
+    p.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/heal-mla.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override recipe keys (dotted keys allowed)")
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="measure quality with lm-eval-harness (offline bundled tasks by default)",
+        description="Evaluate MODEL (and --baseline) on lm-eval tasks; print a table, write JSON.",
+    )
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--baseline", metavar="MODEL", default=None, help="a second model; retention = model / baseline")
+    p.add_argument(
+        "--tasks",
+        default="attnkit-core",
+        help="attnkit-core (= attnkit-ppl,attnkit-complete,attnkit-recall) or comma-separated lm-eval task names",
+    )
+    p.add_argument("--limit", type=int, default=None, help="at most N documents per task (quick checks)")
+    p.add_argument("--batch-size", type=int, default=4, help="lm-eval batch size")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="evaluation dtype")
+    p.add_argument("--out", default=None, metavar="FILE", help="write results JSON here")
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure prefill/decode speed, peak memory and KV-cache bytes",
+        description="Benchmark MODEL (and --baseline) at several context lengths and batch sizes.",
+    )
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--baseline", metavar="MODEL", default=None, help="a second model measured side by side")
+    p.add_argument("--context", type=_int_list, default=[1024, 4096, 16384], help="context lengths, comma-separated")
+    p.add_argument("--batch", type=_int_list, default=[1], help="batch sizes, comma-separated")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode measurement")
+    p.add_argument("--repeats", type=int, default=3, help="repeated runs (median and spread reported)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="benchmark dtype")
+    p.add_argument("--attn", choices=["absorbed", "expanded", "auto"], default="auto", help="MLA attention path")
+    p.add_argument("--out", default=None, metavar="FILE", help="write results JSON (and a PNG beside it)")
+
+
+def _add_push(sub) -> None:
+    p = sub.add_parser("push", help="upload a converted/healed folder to the Hub with a model card")
+    p.add_argument("folder", metavar="OUT", help="a folder written by attnkit convert/finetune")
+    p.add_argument("--repo-id", required=True, metavar="USER/NAME", help="target repository")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--revision", default=None, metavar="BRANCH", help="branch to push to")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the saved login)")
+    p.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or huggingface.co)")
+
+
+def _add_pretrain(sub) -> None:
+    p = sub.add_parser(
+        "pretrain",
+        help="train the bundled reference model (tokenizer + small GQA Llama) from a recipe",
+        description="Train the reference model; resumable from the last checkpoint in its run folder.",
+    )
+    p.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/reference.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override recipe keys")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnkit",
+        description="Retrofit the attention of pretrained Hugging Face LMs (GQA/MHA -> MLA, DEX, DIFF), "
+        "heal, evaluate and publish them.",
+    )
+    from attnkit import __version__
+
+    parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_convert, _add_finetune, _add_eval, _add_bench, _add_push, _add_pretrain):
+        add(sub)
+    return parser
+
+
+def _handler(command: str):
+    module_name, func = HANDLERS[command].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("attnkit"):
+            raise AttnkitError(f"`attnkit {command}` is not available yet in this version") from None
+        raise
+    return getattr(module, func)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = _handler(args.command)(args)
+    except AttnkitError as exc:
+        print(f"attnkit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("attnkit: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Streaming safetensors I/O.
+
+A converter reads one tensor at a time (`LazyCheckpoint`) and writes shards as it goes
+(`ShardedWriter`), so converting a model needs the memory of about one layer, not the model.
+Output goes to a temporary sibling folder that is renamed into place only when complete
+(`atomic_output_dir`), so an interrupted run never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from attnkit.errors import AttnkitError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class LazyCheckpoint:
+    """Name → tensor access over a single-file or sharded safetensors checkpoint.
+
+    Each `get` opens the shard, reads one tensor and closes the handle again, so resident
+    memory stays at the tensors the caller holds.
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        index = self.folder / INDEX_FILE
+        single = self.folder / SINGLE_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                raise AttnkitError(f"{index} is not a valid safetensors index ({exc})") from None
+            self.weight_map: dict[str, str] = dict(weight_map)
+        elif single.is_file():
+            self.weight_map = {name: SINGLE_FILE for name in _keys_of(single)}
+        else:
+            raise AttnkitError(f"no safetensors weights in {self.folder} (expected {SINGLE_FILE} or {INDEX_FILE})")
+        for shard in sorted(set(self.weight_map.values())):
+            if not (self.folder / shard).is_file():
+                raise AttnkitError(f"shard {shard} listed in the index is missing from {self.folder}")
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        if name not in self.weight_map:
+            raise AttnkitError(f"tensor {name!r} not found in {self.folder}")
+        path = self.folder / self.weight_map[name]
+        try:
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                tensor = handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise AttnkitError(f"cannot read {name!r} from {path.name}: {exc}") from None
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        return tensor.to(device)
+
+    def get_many(self, names: list[str], **kwargs) -> dict[str, torch.Tensor]:
+        return {name: self.get(name, **kwargs) for name in names}
+
+    def total_bytes(self) -> int:
+        return sum((self.folder / shard).stat().st_size for shard in set(self.weight_map.values()))
+
+
+def _keys_of(path: Path) -> list[str]:
+    try:
+        with safe_open(path, framework="pt", device="cpu") as handle:
+            return list(handle.keys())
+    except Exception as exc:
+        raise AttnkitError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+class ShardedWriter:
+    """Collects tensors and flushes a shard whenever `max_shard_bytes` is reached.
+
+    Call `close()` at the end: it writes the last shard and the index (or renames a lone
+    shard to `model.safetensors`, the name transformers expects for unsharded weights).
+    """
+
+    def __init__(self, folder: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[str, list[str]]] = []
+        self._total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._pending or any(name in names for _, names in self._shards):
+            raise ValueError(f"tensor {name} written twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending_bytes += nbytes
+        self._total += nbytes
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        shard = f"shard-{len(self._shards):05d}.safetensors"
+        save_file(self._pending, str(self.folder / shard), metadata={"format": "pt"})
+        self._shards.append((shard, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        if len(self._shards) == 1:
+            os.replace(self.folder / self._shards[0][0], self.folder / SINGLE_FILE)
+            return
+        count = len(self._shards)
+        weight_map = {}
+        for i, (old, names) in enumerate(self._shards):
+            new = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.folder / old, self.folder / new)
+            weight_map.update({name: new for name in names})
+        index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
+        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def check_output_dir(out: str | os.PathLike, force: bool = False) -> Path:
+    """Refuse a non-empty OUT unless forced; refuse an OUT that is a file."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise AttnkitError(f"output path {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise AttnkitError(f"output folder {out} is not empty (use --force to replace it)")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces `out`, on any failure it is removed.
+
+    SIGTERM is turned into an exception for the duration so a `kill` cleans up like Ctrl-C.
+    """
+    out = check_output_dir(out, force).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.attnkit-tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    previous = _install_sigterm()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        _restore_sigterm(previous)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _raise_interrupt(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+
+def _install_sigterm():
+    try:
+        return signal.signal(signal.SIGTERM, _raise_interrupt)
+    except ValueError:  # not the main thread
+        return None
+
+
+def _restore_sigterm(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
