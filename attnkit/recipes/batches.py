@@ -1,0 +1,70 @@
+"""Training rows in a fixed, seed-determined order, so that the data position is just a step count.
+
+Row i of the run is `rows[perm_e[i mod n]]` with e = i // n and perm_e a seeded permutation per
+epoch: nothing random happens inside the DataLoader. accelerate shards the batches over processes
+(process k of W takes every W-th batch of `per_device` rows), so W processes with batch b see the
+same rows per optimizer step as one process with batch W·b, and a resume skips `step · accum`
+batches with `accelerator.skip_first_batches`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from attnkit.data import pack_tokens
+from attnkit.errors import AttnkitError
+
+
+class EpochRows(Dataset):
+    """`length` rows drawn epoch by epoch from `rows` [n, seq_len] in a per-epoch seeded order."""
+
+    def __init__(self, rows: torch.Tensor, length: int, seed: int):
+        self.rows, self.length, self.seed = rows, length, seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms[epoch] = torch.randperm(len(self.rows), generator=gen)
+        return self._perms[epoch]
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        epoch, j = divmod(i, len(self.rows))
+        return self.rows[self._perm(epoch)[j]]
+
+
+def plan_steps(data, train, world_size: int) -> tuple[int, int]:
+    """(optimizer steps, rows per optimizer step) from the token budget or max_steps."""
+    rows_per_step = train.per_device_batch_size * world_size * train.grad_accum
+    if train.max_steps is not None:
+        return train.max_steps, rows_per_step
+    steps = data.tokens // (data.seq_len * rows_per_step)
+    if steps < 1:
+        raise AttnkitError(
+            f"recipe key data.tokens: {data.tokens} tokens is less than one optimizer step "
+            f"({rows_per_step} rows × {data.seq_len} tokens)"
+        )
+    return steps, rows_per_step
+
+
+def load_train_rows(tokenizer, data, rows_needed: int) -> torch.Tensor:
+    """Pack the training split; refuse a source too small for one optimizer step."""
+    rows = pack_tokens(tokenizer, data.source, "train", data.seq_len, rows_needed * data.seq_len, data.seed)
+    return rows
+
+
+def check_enough(rows: torch.Tensor, rows_per_step: int, source: str) -> None:
+    if len(rows) < rows_per_step:
+        raise AttnkitError(
+            f"dataset {source!r} gives {len(rows)} training rows, fewer than one batch "
+            f"({rows_per_step} rows = per-device batch × processes × grad_accum)"
+        )
+
+
+def train_loader(rows: torch.Tensor, total_rows: int, per_device: int, seed: int) -> DataLoader:
+    """Plain sequential DataLoader; hand it to `accelerator.prepare` to shard it."""
+    return DataLoader(EpochRows(rows, total_rows, seed), batch_size=per_device, shuffle=False, drop_last=True)

@@ -1,0 +1,61 @@
+"""The end of a healing run: an HF checkpoint that loads like the input did, plus its reports."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from attnkit.io.checkpoint import atomic_output_dir
+
+CONVERT_REPORT = "attnkit_report.json"
+FINETUNE_REPORT = "finetune_report.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def input_dtype(config: dict) -> torch.dtype:
+    """The dtype the input checkpoint was stored in (config `dtype` / `torch_dtype`), fp32 if unknown."""
+    return _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
+
+
+def final_model(model: torch.nn.Module, merge: bool) -> torch.nn.Module:
+    """Merge LoRA adapters into the base weights when asked (PEFT's merge_and_unload)."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel) and merge:
+        return model.merge_and_unload()
+    return model
+
+
+def save_healed(
+    model: torch.nn.Module,
+    tokenizer,
+    student_path: Path,
+    out: Path,
+    force: bool,
+    dtype: torch.dtype,
+    report: dict,
+) -> Path:
+    """Write OUT atomically: weights (input dtype), config, tokenizer, remote code, reports, README."""
+    with atomic_output_dir(out, force) as tmp:
+        model = model.to(dtype)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for src in student_path.glob("*.py"):  # remote modeling code referenced by auto_map
+            if not (tmp / src.name).exists():
+                shutil.copy2(src, tmp / src.name)
+        if (student_path / CONVERT_REPORT).is_file():  # keep the conversion's story in the card
+            shutil.copy2(student_path / CONVERT_REPORT, tmp / CONVERT_REPORT)
+        (tmp / FINETUNE_REPORT).write_text(json.dumps(report, indent=2, default=str))
+        _write_card(tmp)
+    return out
+
+
+def _write_card(folder: Path) -> None:
+    try:
+        from attnkit.io.model_card import write_model_card
+    except ModuleNotFoundError:  # the publish engineer's module; older checkouts lack it
+        return
+    write_model_card(folder)

@@ -1,0 +1,326 @@
+"""`attnkit finetune` / `accelerate launch -m attnkit.finetune`: heal a converted model.
+
+One optimizer step, in plain sight (per process, batch b of rows [b, L]):
+
+    for each of `grad_accum` micro-batches:
+        s = student(rows).logits                       # [b, L, V]
+        t = teacher(rows).logits under no_grad          # [b, L, V]  (when distilling)
+        loss = ce_weight·CE(s, rows) + kl_weight·T²·KL(softmax(t/T) ‖ softmax(s/T))
+        backward(loss / grad_accum)                     # DDP all-reduces on the last micro-batch
+    clip, AdamW step, LR schedule step
+
+accelerate does the process group, DDP/FSDP/DeepSpeed wrapping, mixed precision, data sharding and
+save_state/load_state; this file only wires recipe → model, data, loss, schedule, logs and export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from attnkit import __version__
+from attnkit.data import pack_tokens
+from attnkit.errors import AttnkitError
+from attnkit.io.checkpoint import check_output_dir
+from attnkit.io.resolve import check_causal_lm, resolve_model
+from attnkit.recipes import batches, measure, state, trainable
+from attnkit.recipes.export import final_model, input_dtype, save_healed
+from attnkit.recipes.losses import heal_loss
+from attnkit.recipes.recipe import Recipe, load_finetune_recipe
+from attnkit.recipes.schedules import broadcast_step, build_scheduler
+
+
+def main(args: argparse.Namespace) -> int:
+    """CLI handler (`attnkit finetune --config FILE [k=v ...]`)."""
+    recipe = load_finetune_recipe(args.config, args.overrides)
+    run(recipe, config_path=args.config)
+    return 0
+
+
+# ------------------------------------------------------------------ loading
+
+
+def make_accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import is_tensorboard_available
+
+    precision = recipe.train.mixed_precision
+    if precision == "auto":  # the launcher's choice if any, else bf16 on GPUs that have it
+        cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        precision = os.environ.get("ACCELERATE_MIXED_PRECISION") or ("bf16" if cuda_bf16 else "no")
+    want_tb = recipe.log.tensorboard and is_tensorboard_available()
+    accelerator = Accelerator(
+        mixed_precision=precision,
+        log_with="tensorboard" if want_tb else None,
+        project_dir=str(recipe.resolved_run_dir),
+        step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, whatever the process count
+    )
+    note = None
+    if recipe.log.tensorboard and not want_tb:
+        note = "TensorBoard logging skipped: `pip install tensorboard` (log.jsonl is written anyway)"
+    return accelerator, note
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise AttnkitError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}") from None
+
+
+def load_causal_lm(path: Path, trust_remote_code: bool, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise AttnkitError(f"cannot load {path} as a causal LM: {str(exc).splitlines()[0]}") from None
+
+
+def teacher_spec(recipe: Recipe, student_path: Path) -> str | None:
+    """`teacher: source` means the model the student was converted from (its attnkit_report.json)."""
+    if recipe.teacher != "source":
+        return recipe.teacher
+    report = student_path / "attnkit_report.json"
+    try:
+        source = json.loads(report.read_text())["source"]
+        return source.get("path") or source["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise AttnkitError(f"teacher: source needs {report} with a source model; name the teacher instead") from None
+
+
+def same_tokenizer(a, b) -> bool:
+    return a.get_vocab() == b.get_vocab() and (a.eos_token_id, a.bos_token_id) == (b.eos_token_id, b.bos_token_id)
+
+
+def load_teacher(spec: str | None, tokenizer, student_vocab: int, device):
+    """The frozen source model, in eval mode; refuses a different tokenizer or logits width."""
+    if spec is None:
+        return None, None
+    path = resolve_model(spec)
+    config = check_causal_lm(path)
+    if not same_tokenizer(tokenizer, load_tokenizer(path)):
+        raise AttnkitError(f"teacher {spec} has a different tokenizer than the student; distillation needs the same one")
+    if config.get("vocab_size") != student_vocab:
+        raise AttnkitError(f"teacher {spec} has vocab_size {config.get('vocab_size')}, the student {student_vocab}")
+    teacher = load_causal_lm(path, trust_remote_code="auto_map" in config).to(device).eval()
+    teacher.requires_grad_(False)
+    return teacher, path
+
+
+# ------------------------------------------------------------------ the run
+
+
+def run(recipe: Recipe, config_path: str | None = None) -> dict:
+    """Train according to `recipe`, export OUTPUT_DIR, return the finetune report."""
+    from accelerate.utils import set_seed
+
+    accelerator, tb_note = make_accelerator(recipe)
+    main_proc, world = accelerator.is_main_process, accelerator.num_processes
+    set_seed(recipe.train.seed)
+    notes = [tb_note] if tb_note else []
+
+    # Everything that can be refused is checked before anything is written.
+    student_path = resolve_model(recipe.model)
+    config = check_causal_lm(student_path)
+    trust = "auto_map" in config
+    out = check_output_dir(recipe.output_dir, recipe.force)
+    run_dir = recipe.resolved_run_dir
+    if run_dir.resolve() == out.resolve():
+        raise AttnkitError("recipe key run_dir: must differ from output_dir")
+    latest = state.open_run_dir(run_dir, recipe.fingerprint(), world, main_proc)
+    tokenizer = load_tokenizer(student_path)
+    teacher_name = teacher_spec(recipe, student_path) if recipe.loss.kl_weight > 0 else None
+    teacher, teacher_path = load_teacher(teacher_name, tokenizer, config.get("vocab_size"), accelerator.device)
+    total_steps, rows_per_step = batches.plan_steps(recipe.data, recipe.train, world)
+    rows = batches.load_train_rows(tokenizer, recipe.data, total_steps * rows_per_step)
+    batches.check_enough(rows, rows_per_step, recipe.data.source)
+    if len(rows) < total_steps * rows_per_step:
+        notes.append(f"data: {len(rows)} distinct rows for {total_steps * rows_per_step} rows seen (several epochs)")
+    val_rows = pack_tokens(tokenizer, recipe.data.source, "validation", recipe.data.seq_len, recipe.data.val_tokens, 0)
+
+    model = load_causal_lm(student_path, trust)
+    if recipe.train.trainable == "lora":
+        model = trainable.apply_lora(model, recipe.train.lora)
+    else:
+        trainable.select_trainable(model, recipe.train.trainable, recipe.train.patterns)
+    trainable_desc = trainable.describe(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=recipe.train.lr, betas=tuple(recipe.train.betas), weight_decay=recipe.train.weight_decay
+    )
+    t = recipe.train
+    scheduler = build_scheduler(optimizer, total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio, t.decay_fraction)
+    loader = batches.train_loader(rows, total_steps * rows_per_step, t.per_device_batch_size, recipe.data.seed)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    if main_proc:
+        state.claim_run_dir(run_dir, recipe.fingerprint(), world)
+    accelerator.wait_for_everyone()
+    if accelerator.log_with:
+        accelerator.init_trackers("tensorboard")
+    log = RunLog(run_dir / "log.jsonl", accelerator)
+
+    def evaluate(tasks: bool) -> dict:
+        total, count = measure.validation_loss(
+            model, val_rows, t.per_device_batch_size, accelerator.device, accelerator.process_index, world
+        )
+        result = {"validation": measure.reduce_loss(accelerator, total, count)}
+        if tasks and recipe.eval.tasks:
+            if main_proc:
+                found, note = measure.eval_tasks(accelerator.unwrap_model(model), tokenizer, recipe.eval.tasks, recipe.eval.limit)
+                if note and note not in notes:
+                    notes.append(note)
+                if found:
+                    result.update(found.get("metrics", found))
+            accelerator.wait_for_everyone()
+        return result
+
+    trainer_state = {"step": 0, "tokens_seen": 0, "loss_curve": [], "eval_curve": [], "eval_before": None, "seconds": 0.0}
+    if latest is not None:
+        trainer_state = state.load_checkpoint(accelerator, latest)
+        log.write({"event": "resume", "from": str(latest), "step": trainer_state["step"]})
+    else:
+        trainer_state["eval_before"] = evaluate(tasks=True)
+        log.write({"event": "eval", "step": 0, **_flat(trainer_state["eval_before"])})
+    start = trainer_state["step"]
+    data_iter = iter(accelerator.skip_first_batches(loader, start * t.grad_accum))
+    tokens_per_step = rows_per_step * recipe.data.seq_len
+
+    progress = _progress(main_proc, start, total_steps)
+    model.train()
+    began = time.perf_counter() - trainer_state["seconds"]
+    window_start, window_tokens = time.perf_counter(), 0
+    for step in range(start, total_steps):
+        broadcast_step(model, step, total_steps)
+        if teacher is not None:
+            broadcast_step(teacher, step, total_steps)
+        parts = _optimizer_step(accelerator, model, teacher, data_iter, optimizer, scheduler, params, recipe)
+        trainer_state["step"] = step + 1
+        trainer_state["tokens_seen"] += tokens_per_step
+        window_tokens += tokens_per_step
+        done = step + 1
+        if done % recipe.log.every == 0 or done == total_steps:
+            rate = window_tokens / max(1e-9, time.perf_counter() - window_start)
+            window_start, window_tokens = time.perf_counter(), 0
+            entry = {"step": done, "tokens": trainer_state["tokens_seen"], "lr": scheduler.get_last_lr()[0], "tokens_per_s": round(rate, 1), **parts}
+            trainer_state["loss_curve"].append([done, round(parts["loss"], 6)])
+            log.write(entry)
+            if progress is not None:
+                progress.set_postfix(loss=f"{parts['loss']:.4f}", tok_s=f"{rate:,.0f}")
+        if recipe.eval.every and done % recipe.eval.every == 0 and done < total_steps:
+            result = evaluate(tasks=False)
+            trainer_state["eval_curve"].append([done, trainer_state["tokens_seen"], result["validation"]["loss"]])
+            log.write({"event": "eval", "step": done, **_flat(result)})
+        if recipe.checkpoint.every and done % recipe.checkpoint.every == 0 and done < total_steps:
+            trainer_state["seconds"] = time.perf_counter() - began
+            state.save_checkpoint(accelerator, run_dir, done, trainer_state, recipe.checkpoint.keep)
+        if progress is not None:
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+
+    eval_after = evaluate(tasks=True)
+    log.write({"event": "eval", "step": total_steps, **_flat(eval_after)})
+    trainer_state["eval_curve"].append([total_steps, trainer_state["tokens_seen"], eval_after["validation"]["loss"]])
+    report = {
+        "attnkit_version": __version__,
+        "recipe": {"config": str(config_path) if config_path else None, **recipe.to_dict()},
+        "base_model": recipe.model,
+        "base_model_path": str(student_path),
+        "teacher": teacher_name,
+        "teacher_path": str(teacher_path) if teacher_path else None,
+        "tokens_seen": trainer_state["tokens_seen"],
+        "steps": total_steps,
+        "processes": world,
+        "mixed_precision": accelerator.mixed_precision,
+        "seconds": round(time.perf_counter() - began, 1),
+        "loss_curve": trainer_state["loss_curve"],
+        "eval_curve": trainer_state["eval_curve"],
+        "eval_before": trainer_state["eval_before"],
+        "eval_after": eval_after,
+        "trainable": f"{recipe.train.trainable}: {trainable_desc}",
+        "load": {"trust_remote_code": trust},
+        "notes": notes,
+    }
+    accelerator.wait_for_everyone()
+    if main_proc:
+        healed = final_model(accelerator.unwrap_model(model), recipe.train.lora.merge)
+        save_healed(healed, tokenizer, student_path, out, recipe.force, input_dtype(config), report)
+        log.write({"event": "saved", "output_dir": str(out)})
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return report
+
+
+def _optimizer_step(accelerator, model, teacher, data_iter, optimizer, scheduler, params, recipe) -> dict:
+    """`grad_accum` micro-batches → one clipped AdamW step; returns the mean loss parts (all processes)."""
+    accum, loss_cfg = recipe.train.grad_accum, recipe.loss
+    sums: dict[str, float] = {}
+    for micro in range(accum):
+        batch = next(data_iter)  # [b, L] on this process's device
+        sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
+        with sync:
+            logits = model(input_ids=batch, use_cache=False).logits  # [b, L, V]
+            teacher_logits = None
+            if teacher is not None:
+                with torch.no_grad(), accelerator.autocast():
+                    teacher_logits = teacher(input_ids=batch, use_cache=False).logits
+            loss, parts = heal_loss(
+                logits, batch, teacher_logits, loss_cfg.ce_weight, loss_cfg.kl_weight, loss_cfg.temperature
+            )
+            accelerator.backward(loss / accum)
+        parts["loss"] = float(loss.detach())
+        for k, v in parts.items():
+            sums[k] = sums.get(k, 0.0) + v / accum
+    if recipe.train.max_grad_norm > 0:
+        norm = accelerator.clip_grad_norm_(params, recipe.train.max_grad_norm)
+        sums["grad_norm"] = float(norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    keys = sorted(sums)
+    mean = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device), reduction="mean")
+    return {k: float(v) for k, v in zip(keys, mean.tolist())}
+
+
+def _progress(main_proc: bool, start: int, total: int):
+    if not main_proc:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="finetune", unit="step", dynamic_ncols=True)
+
+
+def _flat(result: dict) -> dict:
+    """{'validation': {'loss': x}} → {'validation/loss': x} for log lines and trackers."""
+    flat = {}
+    for task, metrics in result.items():
+        if isinstance(metrics, dict):
+            flat.update({f"{task}/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))})
+    return flat
+
+
+class RunLog:
+    """JSONL on the main process, mirrored to accelerate's trackers (TensorBoard) when enabled."""
+
+    def __init__(self, path: Path, accelerator):
+        self.path, self.accelerator = path, accelerator
+
+    def write(self, entry: dict) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"time": round(time.time(), 3), **entry}) + "\n")
+        numbers = {k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
+        if self.accelerator.log_with and numbers and "step" in entry:
+            self.accelerator.log(numbers, step=int(entry["step"]))
