@@ -23,7 +23,12 @@ def _layer_tensors(layer: Any) -> list[torch.Tensor]:
 
 
 def cache_layer_bytes(layer: Any) -> int:
-    """Bytes held by one cache layer; views of one storage are counted once, by their storage."""
+    """Bytes held by one cache layer; views of one storage are counted once, by their storage.
+
+    A layer that grows in blocks (attnkit's `LatentLayer`) reports its stored tokens via `stored_bytes()`.
+    """
+    if hasattr(layer, "stored_bytes"):
+        return int(layer.stored_bytes())
     seen: dict[tuple[str, int], int] = {}
     for t in _layer_tensors(layer):
         if t.numel() == 0:
@@ -47,7 +52,8 @@ def describe_cache(cache: Any) -> list[dict]:
     """Per layer: the class and the stored tensor shapes/dtypes (what the cache *really* stores)."""
     out = []
     for layer in getattr(cache, "layers", []):
-        tensors = {k: v for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.numel() > 0}
+        named = {"keys": layer.keys, "values": layer.values, **vars(layer)}
+        tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor) and v.numel() > 0 and not k.startswith("_")}
         out.append(
             {
                 "class": type(layer).__name__,

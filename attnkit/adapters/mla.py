@@ -1,0 +1,258 @@
+"""Absorbed MLA attention over a latent KV cache, for decoding DeepSeek-V3-format (converted) models.
+
+transformers' `DeepseekV3Attention` caches the latent (`c_kv` after `kv_a_layernorm`, and `k_pe`) but
+re-expands `kv_b_proj` over the whole cache at every step: cost ∝ context × H × (d_nope + d_v) × r.
+Absorption (DeepSeek-V2 §2.1.2) never materialises per-head K/V:
+
+    score_h(t) = q_nope_h · (W_UK_h c_t) + q_pe_h · k_pe_t = (W_UK_hᵀ q_nope_h) · c_t + q_pe_h · k_pe_t
+    out_h      = W_UV_h · Σ_t p_h(t) c_t
+
+so attention is MQA with one shared "head" [c | k_pe] of width r + d_r (values: c, width r); the H query
+heads fold into the rows of one matmul, and the cache is read once for scores and once for values.
+
+`enable_absorbed(model)` swaps the class of every `DeepseekV3Attention` (weights, names and state dict
+unchanged); `model.generate` then uses it with a standard `DynamicCache` whose layers become
+`LatentLayer`s (one fused [B, S, r + d_r] tensor per layer, grown in blocks instead of `torch.cat`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+from attnkit.errors import AttnkitError
+
+MODES = ("auto", "absorbed", "expanded")
+# `auto` runs calls with at most this many new tokens absorbed, longer ones (prefill) expanded.
+# Measured with `python benchmarks/prefill_rule.py` (docs/inference.md): on CPU the expanded path
+# (SDPA over materialised K/V) wins for long prompts, absorption wins for decode and short chunks.
+AUTO_ABSORB_MAX_QUERY = 64
+# query rows per chunk in the absorbed path, so scores [B, H, chunk, S] stay bounded in memory
+_SCORE_BUDGET = 1 << 25
+_BLOCK = 256  # latent cache capacity grows in blocks of this many tokens
+
+
+class LatentLayer(DynamicLayer):
+    """A dynamic cache layer holding one fused latent [B, S, r + d_r] per layer (c_kv then k_pe).
+
+    It speaks transformers' DeepSeek-V3 protocol — `update(c_kv [B,1,Q,r], k_pe [B,1,Q,d_r])` returns
+    views of the whole cache in the same layout — so the expanded path works on it too, and
+    `fused()` gives the absorbed path the [B, S, r + d_r] tensor it multiplies against directly.
+    Capacity grows in blocks of `_BLOCK` tokens (amortised O(1) append, ≤ `_BLOCK` - 1 tokens slack).
+    """
+
+    def __init__(self, **kwargs):
+        self._buf: torch.Tensor | None = None  # [B, capacity, r + d_r]
+        self._len = 0
+        self.rank = 0
+        super().__init__(**kwargs)
+
+    # `keys` is the fused view of the stored tokens; DynamicLayer's crop/select/reorder/offload work on it
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._buf is None else self._buf[:, : self._len]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._buf = value
+        self._len = 0 if value is None else value.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:  # everything lives in `keys`; a zero-width view keeps shapes
+        return None if self._buf is None else self._buf[:, : self._len, :0]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        pass
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.rank = key_states.shape[-1]
+        width = self.rank + value_states.shape[-1]
+        self._buf = key_states.new_empty(key_states.shape[0], 0, width)
+        self._len = 0
+        self.is_initialized = True
+
+    def append(self, fused: torch.Tensor) -> None:
+        """Append fused latents [B, Q, r + d_r]; reallocates only when the block capacity is exceeded."""
+        need = self._len + fused.shape[1]
+        if self._buf.shape[0] != fused.shape[0] or need > self._buf.shape[1] or not self._buf.is_contiguous():
+            cap = -(-need // _BLOCK) * _BLOCK
+            grown = fused.new_empty(fused.shape[0], cap, fused.shape[2])
+            grown[:, : self._len] = self._buf[:, : self._len]
+            self._buf = grown
+        self._buf[:, self._len : need] = fused
+        self._len = need
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' DeepSeek-V3 call: c_kv [B,1,Q,r], k_pe [B,1,Q,d_r] → views [B,1,S,r], [B,1,S,d_r]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.append(torch.cat([key_states[:, 0], value_states[:, 0]], dim=-1))
+        fused = self.fused()
+        return fused[:, None, :, : self.rank], fused[:, None, :, self.rank :]
+
+    def fused(self) -> torch.Tensor:
+        """The stored latent [B, S, r + d_r]."""
+        return self._buf[:, : self._len]
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored tokens (what the cache holds per token × tokens)."""
+        return 0 if self._buf is None else self._len * self._buf.shape[0] * self._buf.shape[2] * self._buf.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Bytes allocated, block slack included."""
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+
+
+def latent_layer(cache: Cache, layer_idx: int) -> LatentLayer:
+    """Make `cache.layers[layer_idx]` a LatentLayer (converting a filled plain DeepSeek-V3 layer)."""
+    layers = cache.layers
+    while len(layers) <= layer_idx:
+        layers.append(LatentLayer())
+    layer = layers[layer_idx]
+    if isinstance(layer, LatentLayer):
+        return layer
+    if type(layer) is not DynamicLayer:
+        raise AttnkitError(f"absorbed MLA attention needs a DynamicCache; got a {type(layer).__name__} layer")
+    latent = LatentLayer()
+    if layer.is_initialized and layer.get_seq_length() > 0:
+        latent.update(layer.keys, layer.values)  # a cache filled by transformers' own DeepSeek-V3 path
+    layers[layer_idx] = latent
+    return latent
+
+
+def split_kv_b(weight: torch.Tensor, heads: int, d_nope: int, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj.weight [H·(d_nope + d_v), r] → W_UK [H, d_nope, r], W_UV [H, d_v, r] (views)."""
+    w = weight.view(heads, d_nope + d_v, weight.shape[-1])
+    return w[:, :d_nope], w[:, d_nope:]
+
+
+def _mask_chunk(mask: torch.Tensor | None, rows: slice, q_len: int, kv_len: int, device) -> torch.Tensor | None:
+    """The attention mask for query rows `rows`, as an additive or boolean [B|1, 1, q, S] tensor.
+
+    None means "causal, no padding" (what SDPA gets): query i sits at position kv_len - q_len + i.
+    """
+    if mask is not None:
+        return mask[..., rows, :kv_len]
+    if q_len == 1:
+        return None
+    pos = torch.arange(kv_len - q_len, kv_len, device=device)[rows]
+    return (torch.arange(kv_len, device=device)[None, :] <= pos[:, None])[None, None]  # [1, 1, q, S]
+
+
+def latent_attention(
+    query: torch.Tensor, fused: torch.Tensor, rank: int, scaling: float, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax attention of latent-space queries against the fused latent cache.
+
+    query [B, H, Q, r + d_r] (= [q_nope·W_UK | q_pe]), fused [B, S, r + d_r] → output [B, H, Q, r] (latent).
+    The H heads are folded into matmul rows, so each chunk reads the cache once for scores, once for values.
+    """
+    b, h, q_len, width = query.shape
+    kv_len = fused.shape[1]
+    chunk = max(1, min(q_len, _SCORE_BUDGET // max(1, b * h * kv_len)))
+    keys_t = fused.transpose(1, 2)  # [B, r + d_r, S]
+    values = fused[..., :rank]  # [B, S, r]
+    outs = []
+    for start in range(0, q_len, chunk):
+        rows = slice(start, min(q_len, start + chunk))
+        q = query[:, :, rows]
+        n = q.shape[2]
+        scores = torch.matmul(q.reshape(b, h * n, width), keys_t).view(b, h, n, kv_len) * scaling
+        m = _mask_chunk(mask, rows, q_len, kv_len, query.device)
+        if m is not None:
+            if m.dtype == torch.bool:
+                scores = scores.masked_fill(~m, torch.finfo(scores.dtype).min)
+            else:
+                scores = scores + m
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        outs.append(torch.matmul(probs.view(b, h * n, kv_len), values).view(b, h, n, rank))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+class AbsorbedDeepseekV3Attention(ds.DeepseekV3Attention):
+    """DeepseekV3Attention with an absorbed path; `attnkit_mode` picks it per call (see MODES)."""
+
+    attnkit_mode = "auto"
+
+    def use_absorbed(self, q_len: int) -> bool:
+        """The per-call rule: absorbed for decode/short chunks at inference, expanded otherwise."""
+        if self.attnkit_mode == "absorbed":
+            return True
+        if self.attnkit_mode == "expanded" or (self.training and self.attention_dropout > 0):
+            return False
+        return q_len <= AUTO_ABSORB_MAX_QUERY
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+        if "past_key_values" in kwargs and cache is None:
+            cache = kwargs.pop("past_key_values")
+        if cache is not None:
+            layer = latent_layer(cache, self.layer_idx)
+        if not self.use_absorbed(hidden_states.shape[1]):
+            return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+
+        b, q_len = hidden_states.shape[:-1]
+        if self.q_lora_rank is None:
+            q_states = self.q_proj(hidden_states)
+        else:
+            q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        # [B, Q, H·(d_nope + d_r)] → [B, H, Q, d_nope + d_r]
+        q_states = q_states.view(b, q_len, -1, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+        kv_nope, k_rot = torch.split(
+            self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        kv_nope = self.kv_a_layernorm(kv_nope).view(b, 1, q_len, self.kv_lora_rank)
+        k_rot = k_rot.view(b, 1, q_len, self.qk_rope_head_dim)
+        cos, sin = position_embeddings
+        rope = ds.apply_rotary_pos_emb_interleave if self.config.rope_interleave else ds.apply_rotary_pos_emb
+        q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
+
+        if cache is not None:
+            cache.update(kv_nope, k_rot, self.layer_idx)
+            fused = layer.fused()  # [B, S, r + d_r]
+        else:
+            fused = torch.cat([kv_nope[:, 0], k_rot[:, 0]], dim=-1)
+
+        w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
+        q_latent = torch.einsum("bhqn,hnr->bhqr", q_nope, w_uk)  # [B, H, Q, r]
+        query = torch.cat([q_latent, q_rot], dim=-1)  # [B, H, Q, r + d_r]
+        out_latent = latent_attention(query, fused, self.kv_lora_rank, self.scaling, attention_mask)
+        out = torch.einsum("bhqr,hvr->bqhv", out_latent, w_uv).reshape(b, q_len, -1)  # [B, Q, H·d_v]
+        return self.o_proj(out), None
+
+
+def is_mla(model: nn.Module) -> bool:
+    """Whether the model runs DeepSeek-V3 (MLA) attention modules."""
+    return any(isinstance(m, ds.DeepseekV3Attention) for m in model.modules())
+
+
+def enable_absorbed(model: nn.Module, mode: str = "auto") -> nn.Module:
+    """Switch every DeepSeek-V3 attention of `model` to the absorbed implementation (in place).
+
+    mode: "auto" (absorbed for ≤ AUTO_ABSORB_MAX_QUERY new tokens, expanded prefill), "absorbed", "expanded"
+    (transformers' math, on the latent cache). Returns the model. Raises AttnkitError for a non-MLA model.
+    """
+    if mode not in MODES:
+        raise AttnkitError(f"unknown MLA attention mode {mode!r}; choose one of {', '.join(MODES)}")
+    found = 0
+    for module in model.modules():
+        if isinstance(module, ds.DeepseekV3Attention):
+            module.__class__ = AbsorbedDeepseekV3Attention
+            module.attnkit_mode = mode
+            found += 1
+    if not found:
+        raise AttnkitError("absorbed attention needs an MLA (DeepSeek-V3 format) model; this one has no MLA layers")
+    return model
+
+
+def disable_absorbed(model: nn.Module) -> nn.Module:
+    """Restore transformers' own DeepseekV3Attention class on every absorbed module."""
+    for module in model.modules():
+        if isinstance(module, AbsorbedDeepseekV3Attention):
+            module.__class__ = ds.DeepseekV3Attention
+    return model
