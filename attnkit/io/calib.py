@@ -1,0 +1,96 @@
+"""Calibration data and the statistics the MLA converter needs, held for one layer at a time.
+
+Everything the factorisations need is a function of the second moment E[x~ x~^T] of the
+augmented layer input x~ = [x; 1] (fp64, accumulated batch by batch), so no activation is kept
+beyond the current layer's hidden states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+from attnkit.data import pack_tokens
+from attnkit.errors import AttnkitError
+
+
+def calibration_tokens(tokenizer, source: str, seq_len: int, n_calib: int, n_eval: int, seed: int):
+    """(calibration rows from the train split, held-out rows from the validation split).
+
+    A source with no validation documents (one file) gives its last rows as the held-out set.
+    """
+    try:
+        calib = pack_tokens(tokenizer, source, "train", seq_len, n_calib + n_eval, seed)
+    except AttnkitError as exc:
+        raise AttnkitError(f"calibration source is empty or too short: {exc}") from None
+    try:
+        held_out = pack_tokens(tokenizer, source, "validation", seq_len, n_eval, seed)
+        note = "validation split"
+        calib = calib[: max(1, n_calib // seq_len)]
+    except AttnkitError:
+        if calib.shape[0] < 2:
+            raise AttnkitError(
+                f"calibration source {source!r} gives one sequence of {seq_len} tokens; need two (calibration + held-out)"
+            ) from None
+        n_held = max(1, min(n_eval // seq_len, calib.shape[0] // 2))
+        calib, held_out = calib[:-n_held], calib[-n_held:]
+        calib = calib[: max(1, n_calib // seq_len)]
+        note = "last rows of the calibration text (the source has no validation documents)"
+    return calib, held_out, note
+
+
+def batches(t: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
+    for start in range(0, t.shape[0], rows):
+        yield t[start : start + rows]
+
+
+class Moment:
+    """Running E[x~ x~^T] of x~ = [x; 1] over all tokens seen (fp64)."""
+
+    def __init__(self, dim: int, device="cpu"):
+        self.sum = torch.zeros(dim + 1, dim + 1, dtype=torch.float64, device=device)
+        self.max_norm = 0.0
+
+    def add(self, x: torch.Tensor) -> None:
+        flat = x.reshape(-1, x.shape[-1]).double()
+        aug = torch.cat([flat, torch.ones(flat.shape[0], 1, dtype=flat.dtype, device=flat.device)], dim=1)
+        self.sum += aug.T @ aug
+        self.max_norm = max(self.max_norm, float(flat.norm(dim=-1).max()))
+
+    @property
+    def value(self) -> torch.Tensor:
+        return (self.sum / self.sum[-1, -1]).cpu()
+
+
+def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: int = 4) -> torch.Tensor:
+    """Apply fn batch by batch (bounded memory for the intermediate activations)."""
+    with torch.no_grad():
+        return torch.cat([fn(b) for b in batches(h, rows)])
+
+
+def read_rows(path, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of a 2-D tensor in a safetensors file, without reading the rest."""
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        return handle.get_slice(name)[start:stop]
+
+
+def tensor_rows(ckpt, name: str) -> int:
+    with safe_open(str(ckpt.folder / ckpt.weight_map[name]), framework="pt", device="cpu") as handle:
+        return handle.get_slice(name).get_shape()[0]
+
+
+def embed_rows(ckpt, name: str, ids: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+    """Embedding lookup [*ids.shape, D] (fp32) reading the table a chunk of rows at a time."""
+    path = ckpt.folder / ckpt.weight_map[name]
+    out = None
+    for lo in range(0, tensor_rows(ckpt, name), chunk):
+        mask = (ids >= lo) & (ids < lo + chunk)
+        if not mask.any():
+            continue
+        rows = read_rows(path, name, lo, lo + chunk).float()
+        if out is None:
+            out = torch.zeros(*ids.shape, rows.shape[1])
+        out[mask] = rows[ids[mask] - lo]
+    return out

@@ -1,0 +1,307 @@
+"""`attnkit convert --to mla`: the streaming driver around `attnkit.converters.mla`.
+
+Layer by layer: read the source layer's tensors, accumulate the input moment on calibration
+hidden states, build every stage of the conversion, run the held-out text through each stage
+(to measure its error), write the DeepSeek-V3 tensors, then push the calibration hidden states
+through the source layer to get the next layer's inputs. Only one layer is ever resident.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+from attnkit.converters import mla
+from attnkit.converters.architectures import Family, describe
+from attnkit.converters.mla_metrics import ErrorStat, logits_metrics, relative_errors
+from attnkit.converters.mla_native import constant_for, deepseek_config, native_attention_tensors
+from attnkit.converters.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
+from attnkit.errors import AttnkitError
+from attnkit.io.calib import Moment, calibration_tokens, embed_rows, map_rows, read_rows, tensor_rows
+from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
+from attnkit.io.mla_report import build_report, format_report
+from attnkit.io.mla_settings import Settings, resolve_settings
+from attnkit.io.resolve import check_causal_lm, resolve_model
+
+STAGES = ("exact", "rope", "balance", "low-rank", "native")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+ROW_BATCH = 4
+
+
+@dataclass
+class Source:
+    path: Path
+    config: dict
+    hf_config: object
+    family: Family
+    ckpt: LazyCheckpoint
+    shape: mla.Shape
+    prefix: str  # "model.layers."
+
+
+def convert(args: argparse.Namespace) -> int:
+    started = time.time()
+    path = resolve_model(args.model)
+    config = check_causal_lm(path)
+    family = describe(config)
+    ckpt = LazyCheckpoint(path)
+    check_output_dir(args.out, args.force)
+    hf_config = AutoConfig.from_pretrained(path)
+    hf_config._attn_implementation = "sdpa"
+    D, H = hf_config.hidden_size, hf_config.num_attention_heads
+    G = getattr(hf_config, "num_key_value_heads", None) or H
+    d = getattr(hf_config, "head_dim", None) or D // H
+    src = Source(path, config, hf_config, family, ckpt, mla.Shape(D, H, G, d), "model.layers.")
+    s = resolve_settings(args, src.shape, ckpt, config)
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise AttnkitError("--device cuda was requested but no CUDA device is available")
+    _check_disk(ckpt, s, Path(args.out))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise AttnkitError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}") from None
+    calib, held_out, held_note = calibration_tokens(tokenizer, s.calib, s.seq_len, s.calib_tokens, s.eval_tokens, s.seed)
+    with atomic_output_dir(args.out, args.force) as tmp:
+        report = _convert_into(tmp, src, s, calib, held_out)
+        report["source"]["model"] = args.model
+        report["calibration"].update(held_out_from=held_note, calib_rows=int(calib.shape[0]), held_out_rows=int(held_out.shape[0]))
+        report["wall_time_s"] = round(time.time() - started, 2)
+        for name in COPY_FILES:
+            if (path / name).is_file():
+                shutil.copy2(path / name, tmp / name)
+        (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
+        _write_card(tmp)
+    print(format_report(report))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _check_disk(ckpt: LazyCheckpoint, s: Settings, out: Path) -> None:
+    src_bytes = ckpt.total_bytes()
+    estimate = int(src_bytes * s.out_dtype.itemsize / max(1, s.src_itemsize) * 1.1) + (1 << 20)
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if free < estimate:
+        raise AttnkitError(f"not enough disk space in {parent}: need about {estimate / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+
+
+def _write_card(folder: Path) -> None:
+    try:
+        from attnkit.io.model_card import write_model_card
+    except ModuleNotFoundError:  # the publish module ships separately
+        return
+    write_model_card(folder)
+
+
+def _source_layer(src: Source, layer: int, device: str) -> torch.nn.Module:
+    """The source decoder layer (transformers' own class) with its weights, fp32 on `device`."""
+    prefix = f"{src.prefix}{layer}."
+    names = [n for n in src.ckpt.keys() if n.startswith(prefix)]
+    state = {n[len(prefix):]: src.ckpt.get(n, dtype=torch.float32, device=device) for n in names}
+    with torch.device("meta"):
+        module = src.family.decoder_layer_class()(src.hf_config, layer)
+    try:
+        module.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise AttnkitError(f"layer {layer} of {src.path} does not match its config: {str(exc).splitlines()[0]}") from None
+    return module.eval()
+
+
+def attn_weights(module: torch.nn.Module, family: Family, shape: mla.Shape) -> mla.AttnWeights:
+    """q/k/v/o weights and biases of a source attention module (fused qkv split)."""
+    attn = module.self_attn
+    if len(family.qkv) == 1:
+        fused = getattr(attn, family.qkv[0])
+        sizes = [shape.H * shape.d, shape.G * shape.d, shape.G * shape.d]
+        ws = fused.weight.split(sizes)
+        bs = fused.bias.split(sizes) if fused.bias is not None else (None, None, None)
+    else:
+        lin = [getattr(attn, n) for n in family.qkv]
+        ws, bs = [x.weight for x in lin], [x.bias for x in lin]
+    o = getattr(attn, family.o)
+    return mla.AttnWeights(ws[0].detach(), ws[1].detach(), ws[2].detach(), o.weight.detach(),
+                           *(None if b is None else b.detach() for b in bs), None if o.bias is None else o.bias.detach())
+
+
+def mlp_tensors(module: torch.nn.Module, family: Family) -> dict[str, torch.Tensor]:
+    mlp = module.mlp
+    if len(family.gate_up) == 1:
+        gate, up = getattr(mlp, family.gate_up[0]).weight.detach().chunk(2)
+    else:
+        gate, up = (getattr(mlp, n).weight.detach() for n in family.gate_up)
+    return {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up, "mlp.down_proj.weight": getattr(mlp, family.down).weight.detach(),
+            "input_layernorm.weight": getattr(module, family.norms[0]).weight.detach(),
+            "post_attention_layernorm.weight": getattr(module, family.norms[1]).weight.detach()}
+
+
+def _run_stage_layer(module, family, attend, h):
+    """One decoder layer of the source with its attention replaced by `attend` (pre-norm residual)."""
+    norm1, norm2 = getattr(module, family.norms[0]), getattr(module, family.norms[1])
+    h = h + attend(norm1(h))
+    return h + module.mlp(norm2(h))
+
+
+def _rope_counts(src: Source, s: Settings, calib: torch.Tensor, src_inv: torch.Tensor, src_pe) -> torch.Tensor:
+    """Pre-pass (exact frequencies): every layer's component scores -> slots per frequency."""
+    h = embed_rows(src.ckpt, src.family.embed + ".weight", calib).to(s.device)
+    scores = []
+    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rope scores", unit="layer"):
+        module = _source_layer(src, layer, s.device)
+        mom = _moment(module, src.family, h, src.shape).value
+        scores.append(mla.rope_scores(_cpu_weights(module, src), mom, src.shape, s.rope_method)[1])
+        h = map_rows(lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)), h, ROW_BATCH)
+    return mla.slot_counts(scores, s.rope_dim)
+
+
+def _moment(module, family: Family, h: torch.Tensor, shape: mla.Shape) -> Moment:
+    moment = Moment(shape.D, h.device)
+    norm1 = getattr(module, family.norms[0])
+    with torch.no_grad():
+        for b in torch.split(h, ROW_BATCH):
+            moment.add(norm1(b))
+    return moment
+
+
+def _cpu_weights(module, src: Source) -> mla.AttnWeights:
+    aw = attn_weights(module, src.family, src.shape)
+    return mla.AttnWeights(*(None if t is None else t.detach().cpu() for t in
+                             (aw.wq, aw.wk, aw.wv, aw.wo, aw.bq, aw.bk, aw.bv, aw.bo)))
+
+
+def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tensor) -> dict:
+    shape, dev, fam = src.shape, s.device, src.family
+    src_inv, src_att = source_rope(fam, src.hf_config)
+    src_rope = dict(src.hf_config.rope_parameters or {})
+    theta = float(src_rope.get("rope_theta", 10000.0))
+    positions = torch.arange(s.seq_len, device=dev)
+    probe = torch.zeros(1, s.seq_len, shape.D, device=dev)
+    src_pe = fam.rotary_class()(src.hf_config).to(dev)(probe, positions[None])
+    q_lora = shape.D + 1 if _has_q_bias(src) else None
+    counts = None
+    if s.rope_frequencies == "exact":
+        counts = _rope_counts(src, s, calib, src_inv, src_pe)
+        slot_inv = src_inv[torch.arange(shape.d // 2).repeat_interleave(counts)]
+        rope_params = exact_rope_parameters(slot_inv, theta, int(src.config.get("max_position_embeddings", 4096)), src_att)
+    else:
+        rope_params = geometric_rope_parameters(src_rope)
+    tgt_cfg = deepseek_config(src.config, shape, s.rope_dim, s.kv_lora_rank, q_lora, rope_params, s.dtype_name)
+    tgt_cfg._attn_implementation = "sdpa"
+    tgt_inv, tgt_att = target_rope(tgt_cfg)
+    if s.rope_frequencies == "exact" and not torch.allclose(tgt_inv, slot_inv, rtol=1e-5):
+        raise AttnkitError("internal: the exported RoPE frequencies differ from the kept ones")  # guarded by tests
+    tgt_pe = DeepseekV3RotaryEmbedding(tgt_cfg).to(dev)(probe, positions[None])
+    with torch.device("meta"):
+        scale_tgt = DeepseekV3Attention(tgt_cfg, 0).scaling
+    writer = ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes)
+    embed_name = fam.embed + ".weight"
+    writer.add("model.embed_tokens.weight", src.ckpt.get(embed_name, dtype=s.out_dtype))
+    h_cal = embed_rows(src.ckpt, embed_name, calib).to(dev)
+    h0 = embed_rows(src.ckpt, embed_name, held_out).to(dev)
+    streams = {"source": h0, **{k: h0.clone() for k in STAGES}}
+    attn_err = {k: ErrorStat() for k in STAGES}
+    per_layer = []
+    kw = dict(scale_src=_source_scale(src), scale_tgt=scale_tgt, rope_src=src_att, rope_tgt=tgt_att)
+    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="convert --to mla", unit="layer"):
+        module = _source_layer(src, layer, dev)
+        norm1 = getattr(module, fam.norms[0])
+        moment = _moment(module, fam, h_cal, shape)
+        mom, aw = moment.value, _cpu_weights(module, src)
+        plan = mla.plan_rope(aw, mom, shape, s.rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt_inv, counts)
+        full = mla.identity_plan(shape, src_inv)
+        exact_p = mla.build_stage(aw, full, shape, mom, **{**kw, "scale_tgt": (shape.d + full.d_r) ** -0.5, "rope_tgt": src_att})
+        rope_p = mla.build_stage(aw, plan, shape, mom, **kw)
+        beta = mla.balance_factor(mla.split_keys(aw, plan, shape), aw, mom)
+        bal_p = mla.build_stage(aw, plan, shape, mom, beta=beta, **kw)
+        low_p = mla.build_stage(aw, plan, shape, mom, beta=beta, rank=s.kv_lora_rank - 1, **kw)
+        low_fn, lat = _mla_fn(low_p, positions, dev)
+        z_max = float(map_rows(lambda b: (norm1(b) @ lat.lat_w.T + lat.lat_b).norm(dim=-1).amax()[None], h_cal, ROW_BATCH).max())
+        tensors = native_attention_tensors(low_p, shape, constant_for(z_max, s.out_dtype),
+                                           constant_for(moment.max_norm, s.out_dtype) if q_lora else None)
+        native = DeepseekV3Attention(tgt_cfg, layer).to(dev)
+        native.load_state_dict({k: v.to(s.out_dtype).float() for k, v in tensors.items()}, strict=True)
+        attends = {
+            "exact": _mla_fn(exact_p, positions, dev)[0], "rope": _mla_fn(rope_p, positions, dev)[0],
+            "balance": _mla_fn(bal_p, positions, dev)[0], "low-rank": low_fn,
+            "native": lambda x: native(x, position_embeddings=tgt_pe, attention_mask=None)[0],
+        }
+        layer_errs = {}
+        with torch.no_grad():
+            x_src = norm1(streams["source"])
+            ref = module.self_attn(hidden_states=x_src, position_embeddings=src_pe, attention_mask=None)[0]
+            for k in STAGES:
+                e = relative_errors(attends[k](x_src), ref)
+                attn_err[k].add(e)
+                layer_errs[k] = float(e.mean())
+                streams[k] = _run_stage_layer(module, fam, attends[k], streams[k])
+            run_src = lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe))  # noqa: E731
+            streams["source"] = run_src(streams["source"])
+            h_cal = map_rows(run_src, h_cal, ROW_BATCH)
+        per_layer.append({"layer": layer, "beta": beta, "rope_components": {"virtual_head": plan.kept_j.tolist(),
+                          "frequency_index": plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs})
+        for name, t in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
+            writer.add(f"model.layers.{layer}.{name}", t.to(s.out_dtype))
+        del module, native, attends
+    final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
+    writer.add("model.norm.weight", final_norm.to(s.out_dtype))
+    tied = bool(src.config.get("tie_word_embeddings", False))
+    head_name = embed_name if tied or fam.lm_head + ".weight" not in src.ckpt else fam.lm_head + ".weight"
+    if not tied:
+        writer.add("lm_head.weight", src.ckpt.get(head_name, dtype=s.out_dtype))
+    writer.close()
+    tgt_cfg.to_json_file(str(tmp / "config.json"))
+    finals = {k: _final_hidden(src, h, final_norm) for k, h in streams.items()}
+    targets = held_out[:, 1:].reshape(-1).to(dev)
+    src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in STAGES}, targets,
+                                      lambda: _head_chunks(src.ckpt, head_name, dev))
+    return build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
+
+
+def _as_tensor(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _mla_fn(p: mla.MLAParams, positions: torch.Tensor, dev: str):
+    """(attention function, its fp32 parameters on `dev`)."""
+    p32 = mla.to_dtype(p, torch.float32)
+    p32 = mla.MLAParams(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in p32.__dict__.items()})
+    return (lambda x: mla.mla_attention(p32, x, positions)), p32
+
+
+def _final_hidden(src: Source, h: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
+    """Final RMSNorm of every position but the last (those predict the next held-out token)."""
+    eps = float(src.config.get("rms_norm_eps", 1e-6))
+    x = h[:, :-1].float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (norm_w * x).reshape(-1, x.shape[-1])
+
+
+def _head_chunks(ckpt: LazyCheckpoint, name: str, dev: str, chunk: int = 8192):
+    path = ckpt.folder / ckpt.weight_map[name]
+    for lo in range(0, tensor_rows(ckpt, name), chunk):
+        yield lo, read_rows(path, name, lo, lo + chunk).to(dev)
+
+
+def _has_q_bias(src: Source) -> bool:
+    fused = len(src.family.qkv) == 1
+    name = f"{src.prefix}0.self_attn.{src.family.qkv[0]}.bias"
+    return name in src.ckpt if fused else f"{src.prefix}0.self_attn.q_proj.bias" in src.ckpt
+
+
+def _source_scale(src: Source) -> float:
+    return float(getattr(src.hf_config, "query_pre_attn_scalar", None) or src.shape.d) ** -0.5
+
+

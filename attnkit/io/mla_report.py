@@ -1,0 +1,86 @@
+"""`attnkit_report.json` for MLA conversions (schema: the cross-team contract) and its table."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from attnkit import __version__
+
+STEP_INFO = {
+    "exact": "GQA as MLA: latent = raw K and V of all heads, RoPE on every key component",
+    "rope": "RoPE reduced to the shared d_r-dim key; the other key components lose RoPE",
+    "balance": "K-NoPE scaled against V before the factorisation (exact by itself)",
+    "low-rank": "joint activation-aware PCA of [K-NoPE; V] to kv_lora_rank - 1 channels",
+    "native": "DeepSeek-V3 layer as transformers runs it: latent RMSNorm with a constant channel, "
+    "output dtype rounding",
+}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _weights_fingerprint(ckpt) -> str:
+    index = ckpt.folder / "model.safetensors.index.json"
+    if index.is_file():
+        return _sha256(index.read_bytes())
+    with open(ckpt.folder / "model.safetensors", "rb") as f:  # the header: names, dtypes, shapes, offsets
+        n = int.from_bytes(f.read(8), "little")
+        return _sha256(f.read(n))
+
+
+def kv_bytes(layers: int, values: int, itemsize: int) -> int:
+    return layers * values * itemsize
+
+
+def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float, per_layer: list) -> dict:
+    shape, layers = src.shape, src.config["num_hidden_layers"]
+    itemsize = s.out_dtype.itemsize
+    full_rope = s.rope_dim == shape.G * shape.d and s.rope_frequencies == "exact"
+    data_rank = 2 * shape.G * shape.d - s.rope_dim
+    exact = {"exact": True, "rope": full_rope, "balance": True, "low-rank": s.kv_lora_rank - 1 >= data_rank, "native": False}
+    steps = []
+    for name, m in metrics.items():
+        steps.append({"name": name, "exact": exact[name], "what": STEP_INFO[name],
+                      "attn_rel_err_mean": attn_err[name].mean, "attn_rel_err_max": attn_err[name].max, **m})
+    lossy = [n for n in ("rope", "low-rank") if not exact[n]]
+    return {
+        "attnkit_version": __version__,
+        "method": "mla",
+        "source": {"path": str(src.path), "model_type": src.config.get("model_type"),
+                   "sha256_config": _sha256((src.path / "config.json").read_bytes()),
+                   "sha256_weights_index": _weights_fingerprint(src.ckpt)},
+        "settings": s.public(),
+        "target": {"model_type": "deepseek_v3", "kv_lora_rank": s.kv_lora_rank, "qk_rope_head_dim": s.rope_dim,
+                   "q_lora_rank": tgt_cfg.q_lora_rank, "rope_parameters": tgt_cfg.rope_parameters,
+                   "constant_channel": True},
+        "kv_cache_bytes_per_token": {"before": kv_bytes(layers, 2 * shape.G * shape.d, itemsize),
+                                     "after": kv_bytes(layers, s.kv_lora_rank + s.rope_dim, itemsize)},
+        "kv_cache_fraction": (s.kv_lora_rank + s.rope_dim) / (2 * shape.G * shape.d),
+        "steps": steps,
+        "lossy_steps": lossy,
+        "ppl": {"before": src_ppl, "after": metrics["native"]["ppl"]},
+        "load": {"trust_remote_code": False, "rope_frequencies": s.rope_frequencies,
+                 "needs": "an engine that applies longrope factors to DeepSeek-V3" if s.rope_frequencies == "exact"
+                 else "any DeepSeek-V3 engine (plain RoPE ladder)"},
+        "calibration": {"source": s.calib, "tokens": s.calib_tokens, "seq_len": s.seq_len},
+        "layers": per_layer,
+    }
+
+
+def format_report(report: dict) -> str:
+    cols = ["attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
+    head = f"{'step':<10}{'exact':<7}" + "".join(f"{c.replace('_rel_err', ''):>14}" for c in cols)
+    lines = [head, "-" * len(head)]
+    for st in report["steps"]:
+        lines.append(f"{st['name']:<10}{str(st['exact']):<7}" + "".join(f"{st[c]:>14.3e}" for c in cols))
+    kv = report["kv_cache_bytes_per_token"]
+    lines.append(f"KV cache bytes/token: {kv['before']} -> {kv['after']} ({100 * kv['after'] / kv['before']:.1f} %)")
+    lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
+                 f"(RoPE frequencies: {report['load']['rope_frequencies']})")
+    return "\n".join(lines)
+
+
+def dumps(report: dict) -> str:
+    return json.dumps(report, indent=2)

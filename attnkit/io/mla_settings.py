@@ -1,0 +1,86 @@
+"""Validated settings of `attnkit convert --to mla`, with defaults clipped for small models."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+import torch
+
+from attnkit.converters.mla import Shape
+from attnkit.errors import AttnkitError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+DEFAULT_RANK, DEFAULT_ROPE_DIM = 512, 64
+
+
+@dataclass
+class Settings:
+    kv_lora_rank: int  # latent channels in the cache, including the constant channel
+    rope_dim: int
+    rope_method: str
+    rope_frequencies: str
+    calib: str
+    calib_tokens: int
+    eval_tokens: int
+    seq_len: int
+    seed: int
+    device: str
+    dtype_name: str
+    out_dtype: torch.dtype
+    src_itemsize: int
+    max_shard_bytes: int = 1 << 30
+
+    def public(self) -> dict:
+        d = asdict(self)
+        for k in ("out_dtype", "src_itemsize", "max_shard_bytes"):
+            d.pop(k)
+        return d
+
+
+def max_rank(shape: Shape, rope_dim: int) -> int:
+    """2 G d - d_r data channels (K-NoPE and V) + 1 constant channel."""
+    return 2 * shape.G * shape.d - rope_dim + 1
+
+
+def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, config: dict) -> Settings:
+    if shape.d % 2:
+        raise AttnkitError(f"head_dim {shape.d} is odd: rotate-half RoPE needs an even head dim")
+    if getattr(args, "kv_budget", None) is not None:
+        raise AttnkitError("--kv-budget is not supported yet; choose --kv-lora-rank and --rope-dim")
+    geometric = args.rope_frequencies == "geometric"
+    rope_cap = shape.d if geometric else shape.G * shape.d
+    if args.rope_dim is None:
+        rope_dim = min(DEFAULT_ROPE_DIM, rope_cap)
+    else:
+        rope_dim = args.rope_dim
+        where = "head_dim" if geometric else "G*head_dim"
+        if rope_dim <= 0 or rope_dim % 2 or rope_dim > rope_cap:
+            raise AttnkitError(f"--rope-dim must be even and in 2..{rope_cap} ({where} of this model), got {rope_dim}")
+    top = max_rank(shape, rope_dim)
+    if args.kv_lora_rank is None:
+        rank = min(DEFAULT_RANK, top)
+    else:
+        rank = args.kv_lora_rank
+        if rank < 2 or rank > top:
+            raise AttnkitError(
+                f"--kv-lora-rank must be in 2..{top} (2*G*head_dim - rope_dim + 1 constant channel), got {rank}"
+            )
+    for name in ("calib_tokens", "calib_seq_len"):
+        if getattr(args, name) <= 1:
+            raise AttnkitError(f"--{name.replace('_', '-')} must be > 1")
+    src_dtype = _source_dtype(ckpt, config)
+    out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
+    return Settings(
+        kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=args.rope_frequencies,
+        calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
+        seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=NAMES.get(out_dtype, "float32"),
+        out_dtype=out_dtype, src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
+    )
+
+
+def _source_dtype(ckpt, config: dict) -> torch.dtype:
+    first = next(n for n in ckpt.keys() if n.endswith("norm.weight") or n.endswith("proj.weight"))
+    dtype = ckpt.get(first).dtype
+    return dtype if dtype in NAMES else torch.float32
