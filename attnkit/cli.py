@@ -65,6 +65,7 @@ def _add_convert(sub) -> None:
         default="exact",
         help="exact: keep each kept component at its source frequency (longrope factors); geometric: plain theta ladder with folding",
     )
+    mla.add_argument("--eval-tokens", type=int, default=4096, metavar="N", help="held-out tokens for the per-step error report")
     mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="total KV-cache budget as a fraction of the source's; ranks allocated per layer")
     dex = p.add_argument_group("DEX (--to dex)")
     dex.add_argument("--heads", default="auto", help="auto | all | FRACTION in (0, 1]: heads that get the differential op")
@@ -116,6 +117,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="benchmark dtype")
     p.add_argument("--attn", choices=["absorbed", "expanded", "auto"], default="auto", help="MLA attention path")
+    p.add_argument("--baseline-attn", choices=["absorbed", "expanded", "auto"], default=None,
+                   help="MLA attention path of --baseline (default: same as --attn)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", default=None, metavar="FILE", help="write results JSON (and a PNG beside it)")
 
 
