@@ -89,6 +89,13 @@ def test_dex_with_remote_code(tmp_path):
     assert "trust_remote_code=True)" in path.read_text()
 
 
+def test_method_specific_extras_are_kept(tmp_path):
+    dex = dict(CONVERT, method="dex", heads={"rule": "auto", "selected": [[1, 3], [0, 2]]}, lambda_init=[0.2, 0.3555])
+    body = write_model_card(_folder(tmp_path, attnkit_report__json=dex)).read_text()
+    block = body.split("Method-specific details (attnkit_report.json)</summary>")[1].split("```json")[1].split("```")[0]
+    assert json.loads(block) == {"heads": {"rule": "auto", "selected": [[1, 3], [0, 2]]}, "lambda_init": [0.2, 0.3555]}
+
+
 def test_healed_card_takes_index_from_the_trainer_when_no_eval_file(tmp_path):
     folder = _folder(tmp_path, attnkit_report__json=CONVERT, finetune_report__json=FINETUNE)
     path = write_model_card(folder)

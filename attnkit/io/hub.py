@@ -28,7 +28,7 @@ IGNORE_PATTERNS = [
     "checkpoint-*/", "*/checkpoint-*/", "checkpoints/", "*/checkpoints/",
     "global_step*/", "runs/", "wandb/", "logs/",
     ".cache/", "*/.cache/", "__pycache__/", "*/__pycache__/", ".ipynb_checkpoints/",
-    ".*.attnkit-tmp-*/", "*.pyc", "*.tmp", "*.lock", "*.part", "*.incomplete", ".DS_Store",
+    ".*.attnkit-tmp-*/", ".tmp-*/", "*/.tmp-*/", "*.pyc", "*.tmp", "*.lock", "*.part", "*.incomplete", ".DS_Store",
     "optimizer*.pt", "optimizer*.bin", "scheduler*.pt", "rng_state*.pth", "scaler.pt",
     "training_args.bin", "trainer_state.json", "accelerator_state/",
 ]
