@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -187,13 +188,15 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
 
     trainer_state = {"step": 0, "tokens_seen": 0, "loss_curve": [], "eval_curve": [], "eval_before": None, "seconds": 0.0}
     if latest is not None:
-        trainer_state = state.load_checkpoint(accelerator, latest)
-        log.write({"event": "resume", "from": str(latest), "step": trainer_state["step"]})
+        trainer_state = state.read_trainer_state(latest)
     else:
         trainer_state["eval_before"] = evaluate(tasks=True)
         log.write({"event": "eval", "step": 0, **_flat(trainer_state["eval_before"])})
     start = trainer_state["step"]
-    data_iter = iter(accelerator.skip_first_batches(loader, start * t.grad_accum))
+    data_iter = _started(accelerator.skip_first_batches(loader, start * t.grad_accum))
+    if latest is not None:  # after the loader drew its seed, so the restored RNG continues exactly
+        state.restore(accelerator, latest)
+        log.write({"event": "resume", "from": str(latest), "step": start})
     tokens_per_step = rows_per_step * recipe.data.seq_len
 
     progress = _progress(main_proc, start, total_steps)
@@ -291,6 +294,13 @@ def _optimizer_step(accelerator, model, teacher, data_iter, optimizer, scheduler
     keys = sorted(sums)
     mean = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device), reduction="mean")
     return {k: float(v) for k, v in zip(keys, mean.tolist())}
+
+
+def _started(loader):
+    """Iterate `loader` with its first batch already fetched: starting a DataLoader iterator draws
+    from the global torch RNG, which must happen before (not after) a resume restores that RNG."""
+    it = iter(loader)
+    return itertools.chain([next(it)], it)
 
 
 def _progress(main_proc: bool, start: int, total: int):

@@ -81,11 +81,17 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, trainer_state: dict, 
     return final
 
 
-def load_checkpoint(accelerator, folder: Path) -> dict:
-    """Restore model/optimizer/scheduler/RNG; return the trainer state (step, tokens, loss curve)."""
+def read_trainer_state(folder: Path) -> dict:
+    """Step, tokens seen, loss curve … of a checkpoint (read before restoring, to position the data)."""
     try:
-        trainer_state = json.loads((folder / STATE_FILE).read_text())
+        return json.loads((folder / STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise AttnkitError(f"cannot resume from {folder}: {exc}") from None
+
+
+def restore(accelerator, folder: Path) -> None:
+    """Model, optimizer, scheduler and RNG states of every process, via accelerate's load_state."""
+    try:
         accelerator.load_state(str(folder))
     except Exception as exc:  # a corrupt or foreign checkpoint
         raise AttnkitError(f"cannot resume from {folder}: {str(exc).splitlines()[0]}") from None
-    return trainer_state
