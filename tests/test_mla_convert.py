@@ -1,0 +1,154 @@
+"""`attnkit convert --to mla` end to end: every family converts, loads natively and matches."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from attnkit.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mla_fixtures import calib_folder, save_model  # noqa: E402
+
+FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory):
+    return calib_folder(tmp_path_factory.mktemp("calib"))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_model(tmp_path_factory.mktemp("llama") / "src", "llama")
+
+
+def _convert(src, out, calib, *extra):
+    return main(["convert", "--to", "mla", str(src), "-o", str(out), "--calib", str(calib), *FAST, *extra])
+
+
+def _logits_rel(a_path, b_path):
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2, 40))
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(a_path, dtype=torch.float32).eval()(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(b_path, dtype=torch.float32).eval()(ids).logits
+    return float((a - b).norm() / a.norm())
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "phi3", "smollm", "mha", "mqa"])
+def test_full_size_is_exact_and_loads_natively(tmp_path, calib, kind):
+    src = save_model(tmp_path / "src", kind)
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(src)
+    G, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or 16
+    assert _convert(src, tmp_path / "out", calib, "--rope-dim", str(G * d), "--kv-lora-rank", str(G * d + 1)) == 0
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_cfg["model_type"] == "deepseek_v3" and out_cfg["first_k_dense_replace"] == cfg.num_hidden_layers
+    assert out_cfg["num_key_value_heads"] == cfg.num_attention_heads and "auto_map" not in out_cfg
+    assert out_cfg["tie_word_embeddings"] == bool(cfg.tie_word_embeddings)
+    assert _logits_rel(src, tmp_path / "out") < 1e-4
+    report = json.loads((tmp_path / "out" / "attnkit_report.json").read_text())
+    assert report["method"] == "mla" and report["load"]["trust_remote_code"] is False
+    assert [s["name"] for s in report["steps"]] == ["exact", "rope", "balance", "low-rank", "native"]
+    assert all(s["logits_rel_err_max"] < 1e-4 for s in report["steps"])
+    assert abs(report["ppl"]["after"] / report["ppl"]["before"] - 1) < 1e-4
+
+
+def test_compressed_report_and_measured_cache(tmp_path, calib, llama):
+    from attnkit.evaluation.kv import kv_cache_bytes_per_token
+
+    src = llama
+    assert _convert(src, tmp_path / "out", calib, "--rope-dim", "8", "--kv-lora-rank", "17", "--rope-method", "partial") == 0
+    report = json.loads((tmp_path / "out" / "attnkit_report.json").read_text())
+    steps = {s["name"]: s for s in report["steps"]}
+    assert not steps["rope"]["exact"] and not steps["low-rank"]["exact"] and steps["balance"]["exact"]
+    assert steps["low-rank"]["logits_rel_err_mean"] > 1e-4
+    assert report["lossy_steps"] == ["rope", "low-rank"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert kv_cache_bytes_per_token(model)["total"] == report["kv_cache_bytes_per_token"]["after"] == 2 * (17 + 8) * 4
+    assert (tmp_path / "out" / "README.md").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+
+
+def test_geometric_frequencies_and_bf16_sharded_source(tmp_path, calib):
+    from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter
+
+    src = save_model(tmp_path / "one", "mqa", dtype=torch.bfloat16)
+    sharded = tmp_path / "src"
+    writer = ShardedWriter(sharded, max_shard_bytes=20_000)
+    ck = LazyCheckpoint(src)
+    for name in ck.keys():
+        writer.add(name, ck.get(name))
+    writer.close()
+    for f in src.iterdir():
+        if not f.name.startswith("model"):
+            (sharded / f.name).write_bytes(f.read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert _convert(sharded, tmp_path / "out", calib, "--rope-frequencies", "geometric", "--rope-dim", "16",
+                    "--kv-lora-rank", "17", "--dtype", "fp32") == 0
+    out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_cfg["rope_parameters"]["rope_type"] == "default"
+    assert _logits_rel(sharded, tmp_path / "out") < 1e-4  # MQA, d_r = d: the plain ladder is exact
+
+
+def _tree_hash(folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--kv-lora-rank", "0"], "--kv-lora-rank must be"),
+    (["--kv-lora-rank", "1000"], "--kv-lora-rank must be"),
+    (["--rope-dim", "7"], "--rope-dim must be even"),
+    (["--rope-dim", "64"], "--rope-dim must be even"),
+    (["--rope-dim", "32", "--rope-frequencies", "geometric"], "--rope-dim must be even"),
+])
+def test_bad_settings(tmp_path, calib, llama, capsys, extra, message):
+    capsys.readouterr()
+    assert _convert(llama, tmp_path / "out", calib, *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, llama, capsys, monkeypatch):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=16, vocab_size=100)).save_pretrained(tmp_path / "qwen3")
+    assert _convert(tmp_path / "qwen3", tmp_path / "o", calib) == 2
+    assert "QK-norm" in capsys.readouterr().err
+    src = llama
+    before = _tree_hash(src)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("   ")
+    assert _convert(src, tmp_path / "o", empty) == 2
+    assert "calibration source" in capsys.readouterr().err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep")
+    assert _convert(src, busy, calib) == 2 and "not empty" in capsys.readouterr().err
+    assert (busy / "x").read_text() == "keep"
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10, 10, 0))
+    assert _convert(src, tmp_path / "o", calib) == 2 and "not enough disk" in capsys.readouterr().err
+    monkeypatch.undo()
+    import attnkit.io.mla_pipeline as pipe
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(pipe, "mlp_tensors", interrupt)
+    assert _convert(src, tmp_path / "o", calib) == 130
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.attnkit-tmp-*"))
+    assert _tree_hash(src) == before
