@@ -9,6 +9,7 @@ Large files are answered "regular" upload mode, so no LFS/Xet storage is needed.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import hashlib
 import json
@@ -16,6 +17,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
@@ -54,6 +56,15 @@ class FakeHub:
     cards: list[str] = field(default_factory=list)
     fail: dict[str, int] = field(default_factory=dict)  # route name → status to answer
     url: str = ""
+    dump: Path | None = None  # when set, every commit also writes the ref's files to dump/REPO/REF/
+
+    def write_dump(self, repo_id: str, ref: str) -> None:
+        if self.dump is None:
+            return
+        for name, data in self.repos[repo_id].refs[ref].items():
+            path = self.dump / repo_id / ref / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
 
     def files(self, repo_id: str, ref: str = "main") -> dict[str, bytes]:
         return self.repos[repo_id].refs[ref]
@@ -169,6 +180,7 @@ def _make_handler(hub: FakeHub):
                     return self._reply(400, {"error": f"fake hub does not support {line['key']}"})
             oid = hashlib.sha1(json.dumps(sorted((k, git_blob_sha1(v)) for k, v in ref.items())).encode()).hexdigest()
             repo.commits.append({"ref": rev, "header": lines[0]["value"], "oid": oid})
+            hub.write_dump(groups["repo"], rev)
             pr_url = f"{hub.url}/{groups['repo']}/discussions/{rev.split('/')[-1]}" if rev.startswith("refs/pr/") else None
             return self._reply(200, {"commitUrl": f"{hub.url}/{groups['repo']}/commit/{oid}", "commitOid": oid, "pullRequestUrl": pr_url})
 
@@ -206,9 +218,9 @@ def _make_handler(hub: FakeHub):
 class HubServer:
     """Context manager: `with HubServer() as hub: ... hub.url ...`."""
 
-    def __init__(self, token: str = "hf_test_token"):
-        self.hub = FakeHub(token=token)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self.hub))
+    def __init__(self, token: str = "hf_test_token", port: int = 0, dump: Path | None = None):
+        self.hub = FakeHub(token=token, dump=dump)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), _make_handler(self.hub))
         self.hub.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -219,3 +231,20 @@ class HubServer:
     def __exit__(self, *exc) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+if __name__ == "__main__":
+    # Stand-alone for trying `attnkit push` without the Hub:
+    #   python -m tests.hub_server --port 8765 --token hf_local --dump /tmp/fakehub
+    parser = argparse.ArgumentParser(description="a local fake Hugging Face Hub for `attnkit push`")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--token", default="hf_local")
+    parser.add_argument("--dump", type=Path, default=None, help="write committed files to DUMP/REPO/REF/")
+    cli = parser.parse_args()
+    server = HubServer(cli.token, cli.port, cli.dump)
+    with server as fake:
+        print(f"fake Hub at {fake.url} (token {cli.token}); Ctrl-C to stop", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass

@@ -162,6 +162,7 @@ def test_push_to_branch(model_dir, online, tmp_path, capsys):
     ("route", "status", "words"),
     [
         ("create_repo", 401, "rejected the token"),
+        ("create_repo", 403, "may not write to alice/tiny-mla (403"),
         ("preupload", 404, "not found"),
         ("commit", 500, "server error (500)"),
         ("create_repo", 503, "server error (503)"),
@@ -265,3 +266,14 @@ def test_push_refuses_card_the_hub_rejects_before_creating_the_repo(model_dir, o
         assert _push(folder, hub) == 2
         assert not hub.repos
     assert "rejected the model card metadata" in _one_line_error(capsys)
+
+
+def test_push_unreachable_hub(model_dir, online, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = ["push", str(_copy(model_dir, tmp_path)), "--repo-id", "alice/x", "--endpoint", f"http://127.0.0.1:{port}", "--token", TOKEN]
+    assert cli_main(argv) == 2
+    assert "cannot reach the Hub at http://127.0.0.1:" in _one_line_error(capsys)

@@ -175,7 +175,7 @@ def _http_error(exc: Exception, repo: str, revision: str, endpoint: str) -> Attn
     if status in HTTP_HINTS:
         msg = HTTP_HINTS[status].format(repo=repo, revision=revision, endpoint=endpoint, detail=detail)
     elif status is not None and status >= 500:
-        msg = f"the Hub at {endpoint} failed with a server error ({status}); nothing was committed by this step, try again later"
+        msg = f"the Hub at {endpoint} failed with a server error ({status}); try again later: re-running the same command resumes the upload"
     elif status is not None:
         msg = f"the Hub answered {status} for {repo}"
     else:
@@ -235,6 +235,7 @@ def push(
     try:
         _validate_card(endpoint, token, card_path.read_text(encoding="utf-8"))  # before the repo exists
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
+        print(f"repository: {repo_url}")
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         info = api.upload_folder(
