@@ -141,18 +141,20 @@ def convert_cli(to: str, src: Path, out: Path, calib: Path, *extra: str) -> int:
 FRESH_LOAD = """
 import sys, torch
 from transformers import AutoModelForCausalLM
-assert "attnkit" not in sys.modules
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
-assert "attnkit" not in sys.modules, "remote code must not need attnkit"
-ids = torch.load(sys.argv[2])
-with torch.no_grad():
-    torch.save(model(input_ids=ids).logits, sys.argv[3])
-print(type(model).__name__)
+ids = torch.load(sys.argv[1])
+logits = []
+for folder in sys.argv[3:]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(model).__name__.startswith("Attnkit"), type(model)
+    with torch.no_grad():
+        logits.append(model(input_ids=ids).logits)
+assert "attnkit" not in sys.modules, "the saved modeling code must not need attnkit"
+torch.save(logits, sys.argv[2])
 """
 
 
-def fresh_process_logits(folder: Path, ids: torch.Tensor, tmp: Path) -> torch.Tensor:
-    """Logits of `folder` loaded with trust_remote_code in a new Python process (attnkit not imported)."""
+def fresh_process_logits(folders: list[Path], ids: torch.Tensor, tmp: Path) -> list[torch.Tensor]:
+    """Logits of each folder loaded with trust_remote_code in ONE new Python process (attnkit not imported)."""
     import os
     import subprocess
     import sys
@@ -160,9 +162,8 @@ def fresh_process_logits(folder: Path, ids: torch.Tensor, tmp: Path) -> torch.Te
     torch.save(ids, tmp / "ids.pt")
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp / "hf_modules"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", FRESH_LOAD, str(folder), str(tmp / "ids.pt"), str(tmp / "logits.pt")],
+        [sys.executable, "-c", FRESH_LOAD, str(tmp / "ids.pt"), str(tmp / "logits.pt"), *map(str, folders)],
         capture_output=True, text=True, env=env, cwd=tmp, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().startswith("Attnkit"), proc.stdout
     return torch.load(tmp / "logits.pt")

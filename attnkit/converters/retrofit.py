@@ -136,13 +136,13 @@ def _convert(args: argparse.Namespace, method: str, source_path: Path | None = N
     report = {
         "attnkit_version": __version__,
         "method": method,
-        "source": _source_info(args.model, path, model_type if prior is None else prior.get("source", {}).get("model_type", model_type)),
+        "source": _source_info(args.model, path, model_type),
         "settings": _settings(args),
         "kv_cache_bytes_per_token": {"before": kv_before, "after": kv_after},
         "kv_cache_effect": "unchanged: Q, K, V and the cache are the source's",
         "steps": [*(prior or {}).get("steps", []), step],
         "ppl": {"before": ppl_before, "after": step["ppl"], "split": eval_split},
-        "load": {"trust_remote_code": True, **(prior or {}).get("load", {})},
+        "load": {**(prior or {}).get("load", {}), "trust_remote_code": True},
         "calibration": {"rows": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "source": args.calib},
         "anneal_fraction": ANNEAL_FRACTION,
         "lambda_init": fields["lambda_init"],
@@ -150,7 +150,7 @@ def _convert(args: argparse.Namespace, method: str, source_path: Path | None = N
         **extras,
     }
     if prior is not None:
-        report["source"]["model"] = args.model
+        report["source"] = {**prior.get("source", {}), "model": args.model}
         report["kv_cache_bytes_per_token"]["before"] = prior.get("kv_cache_bytes_per_token", {}).get("before", kv_before)
         report["mla"] = {k: v for k, v in prior.items() if k not in ("steps", "source", "settings", "load")}
     with atomic_output_dir(args.out, args.force) as tmp:
