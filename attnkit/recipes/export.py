@@ -37,11 +37,15 @@ def save_healed(
     force: bool,
     dtype: torch.dtype,
     report: dict,
+    state_dict: dict | None = None,
 ) -> Path:
     """Write OUT atomically: weights (input dtype), config, tokenizer, remote code, reports, README."""
     with atomic_output_dir(out, force) as tmp:
-        model = model.to(dtype)
-        model.save_pretrained(tmp, safe_serialization=True)
+        if state_dict is None:
+            model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+        else:  # gathered from FSDP/DeepSpeed shards
+            model.config.dtype = dtype
+            model.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in state_dict.items()}, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for src in student_path.glob("*.py"):  # remote modeling code referenced by auto_map
             if not (tmp / src.name).exists():

@@ -103,19 +103,26 @@ def same_tokenizer(a, b) -> bool:
     return a.get_vocab() == b.get_vocab() and (a.eos_token_id, a.bos_token_id) == (b.eos_token_id, b.bos_token_id)
 
 
-def load_teacher(spec: str | None, tokenizer, student_vocab: int, device):
-    """The frozen source model, in eval mode; refuses a different tokenizer or logits width."""
+def check_teacher(spec: str | None, tokenizer, student_vocab: int) -> tuple[Path | None, dict]:
+    """Resolve the teacher and refuse a different tokenizer or logits width (before loading weights)."""
     if spec is None:
-        return None, None
+        return None, {}
     path = resolve_model(spec)
     config = check_causal_lm(path)
     if not same_tokenizer(tokenizer, load_tokenizer(path)):
         raise AttnkitError(f"teacher {spec} has a different tokenizer than the student; distillation needs the same one")
     if config.get("vocab_size") != student_vocab:
         raise AttnkitError(f"teacher {spec} has vocab_size {config.get('vocab_size')}, the student {student_vocab}")
+    return path, config
+
+
+def load_teacher(path: Path | None, config: dict, device):
+    """The frozen source model in eval mode (no grads; run under torch.no_grad by the trainer)."""
+    if path is None:
+        return None
     teacher = load_causal_lm(path, trust_remote_code="auto_map" in config).to(device).eval()
     teacher.requires_grad_(False)
-    return teacher, path
+    return teacher
 
 
 # ------------------------------------------------------------------ the run
@@ -141,14 +148,21 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     latest = state.open_run_dir(run_dir, recipe.fingerprint(), world, main_proc)
     tokenizer = load_tokenizer(student_path)
     teacher_name = teacher_spec(recipe, student_path) if recipe.loss.kl_weight > 0 else None
-    teacher, teacher_path = load_teacher(teacher_name, tokenizer, config.get("vocab_size"), accelerator.device)
+    teacher_path, teacher_config = check_teacher(teacher_name, tokenizer, config.get("vocab_size"))
     total_steps, rows_per_step = batches.plan_steps(recipe.data, recipe.train, world)
     rows = batches.load_train_rows(tokenizer, recipe.data, total_steps * rows_per_step)
     batches.check_enough(rows, rows_per_step, recipe.data.source)
     if len(rows) < total_steps * rows_per_step:
         notes.append(f"data: {len(rows)} distinct rows for {total_steps * rows_per_step} rows seen (several epochs)")
     val_rows = pack_tokens(tokenizer, recipe.data.source, "validation", recipe.data.seq_len, recipe.data.val_tokens, 0)
+    val_rows = val_rows[: max(1, len(val_rows) // world) * world]  # equal forward counts on every process
+    sharded = _is_sharded(accelerator)
+    if sharded and recipe.train.trainable == "lora":
+        raise AttnkitError("train.trainable: lora under FSDP/DeepSpeed is not supported; use DDP (recipes/accelerate/ddp.yaml)")
+    if sharded and recipe.eval.tasks:
+        notes.append("eval tasks skipped: they run on one process and need an unsharded model (FSDP/DeepSpeed)")
 
+    teacher = load_teacher(teacher_path, teacher_config, accelerator.device)
     model = load_causal_lm(student_path, trust)
     if recipe.train.trainable == "lora":
         model = trainable.apply_lora(model, recipe.train.lora)
@@ -176,7 +190,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
             model, val_rows, t.per_device_batch_size, accelerator.device, accelerator.process_index, world
         )
         result = {"validation": measure.reduce_loss(accelerator, total, count)}
-        if tasks and recipe.eval.tasks:
+        if tasks and recipe.eval.tasks and not sharded:
             if main_proc:
                 found, note = measure.eval_tasks(accelerator.unwrap_model(model), tokenizer, recipe.eval.tasks, recipe.eval.limit)
                 if note and note not in notes:
@@ -256,9 +270,10 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         "notes": notes,
     }
     accelerator.wait_for_everyone()
+    full_state = accelerator.get_state_dict(model) if sharded else None  # gathered; a collective call
     if main_proc:
         healed = final_model(accelerator.unwrap_model(model), recipe.train.lora.merge)
-        save_healed(healed, tokenizer, student_path, out, recipe.force, input_dtype(config), report)
+        save_healed(healed, tokenizer, student_path, out, recipe.force, input_dtype(config), report, full_state)
         log.write({"event": "saved", "output_dir": str(out)})
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -287,13 +302,20 @@ def _optimizer_step(accelerator, model, teacher, data_iter, optimizer, scheduler
             sums[k] = sums.get(k, 0.0) + v / accum
     if recipe.train.max_grad_norm > 0:
         norm = accelerator.clip_grad_norm_(params, recipe.train.max_grad_norm)
-        sums["grad_norm"] = float(norm)
+        if norm is not None:  # DeepSpeed clips inside its engine and returns None
+            sums["grad_norm"] = float(norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     keys = sorted(sums)
     mean = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device), reduction="mean")
     return {k: float(v) for k, v in zip(keys, mean.tolist())}
+
+
+def _is_sharded(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
 
 def _started(loader):

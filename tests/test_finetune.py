@@ -1,0 +1,218 @@
+"""The healing fine-tune: recipe schema, schedules, losses, trainable sets, export and refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from test_finetune_fixtures import base_recipe, build_tokenizer, save_llama, tiny, write_corpus, write_recipe  # noqa: F401
+
+from attnkit.cli import main as cli_main
+from attnkit.errors import AttnkitError
+from attnkit.recipes.losses import distill_kl, heal_loss, next_token_ce
+from attnkit.recipes.recipe import load_finetune_recipe
+from attnkit.recipes.schedules import broadcast_step, lr_multiplier
+
+
+def train(path, *overrides):
+    from attnkit.recipes.finetune import run
+
+    return run(load_finetune_recipe(path, list(overrides)))
+
+
+# ------------------------------------------------------------------ recipe schema
+
+
+def test_overrides_and_types(tmp_path):
+    path = write_recipe(tmp_path / "r.yaml", model="m", output_dir="o", teacher="t", train={"patterns": ["q_proj"]})
+    r = load_finetune_recipe(path, ["train.lr=1e-4", "data.seq_len=64", "train.lora.target_modules=[a,b]", "eval.tasks=attnkit-core"])
+    assert r.train.lr == 1e-4 and r.data.seq_len == 64 and r.train.lora.target_modules == ["a", "b"]
+    assert r.eval.tasks == "attnkit-core" and r.resolved_run_dir.name == "o.run"
+    assert r.fingerprint() != load_finetune_recipe(path, ["train.lr=2e-4"]).fingerprint()
+    assert load_finetune_recipe(path).fingerprint() == load_finetune_recipe(path, ["eval.every=5"]).fingerprint()  # eval does not change training
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lerning_rate=1", "train.lerning_rate"),
+        ("train.lr=fast", "train.lr"),
+        ("data.seq_len=1.5", "data.seq_len"),
+        ("train.lora.merge=maybe", "train.lora.merge"),
+        ("data=3", "data"),
+        ("train.schedule=linear", "train.schedule"),
+        ("loss.temperature=0", "loss.temperature"),
+        ("teacher=null", "teacher"),
+    ],
+)
+def test_bad_recipe_names_the_key(tmp_path, override, key):
+    path = write_recipe(tmp_path / "r.yaml", model="m", output_dir="o", teacher="t", train={"patterns": ["q"]})
+    with pytest.raises(AttnkitError, match=f"recipe key {key}[:( ]"):
+        load_finetune_recipe(path, [override])
+
+
+def test_cli_bad_recipe_is_one_line_exit_2(tmp_path, capsys):
+    path = write_recipe(tmp_path / "r.yaml", model="m", output_dir="o", batch=3)
+    assert cli_main(["finetune", "--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("attnkit: error: recipe key batch: unknown key") and "\n" not in err
+
+
+def test_shipped_recipes_parse():
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "recipes"
+    names = {p.name for p in folder.glob("*.yaml")}
+    assert {"heal-mla.yaml", "heal-dex.yaml", "heal-diff.yaml", "lora-mla.yaml"} <= names
+    for name in ("heal-mla.yaml", "heal-dex.yaml", "heal-diff.yaml", "lora-mla.yaml"):
+        load_finetune_recipe(folder / name)
+
+
+# ------------------------------------------------------------------ schedules and losses
+
+
+@settings(max_examples=25, deadline=None)
+@given(total=st.integers(2, 300), warm=st.integers(0, 20), kind=st.sampled_from(["cosine", "wsd", "constant"]))
+def test_lr_multiplier_shape(total, warm, kind):
+    m = [lr_multiplier(s, total, warm, kind, 0.1, 0.25) for s in range(total)]
+    assert all(0 < x <= 1 + 1e-9 for x in m) and all(x >= 0.1 - 1e-9 for x in m[warm:])
+    assert all(a <= b + 1e-12 for a, b in zip(m[:warm], m[1:warm]))  # warmup rises
+    after = m[warm:]
+    assert all(a >= b - 1e-12 for a, b in zip(after, after[1:]))  # then never rises
+    if warm < total - 1 and kind != "constant":
+        assert lr_multiplier(total, total, warm, kind, 0.1, 0.25) == pytest.approx(0.1)
+    if kind == "wsd" and warm < total * 0.5:
+        assert m[warm] == 1.0
+
+
+def test_broadcast_step_reaches_every_module():
+    seen = []
+
+    class Annealed(torch.nn.Module):
+        def attnkit_set_step(self, step, total):
+            seen.append((step, total))
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Annealed(), torch.nn.Sequential(Annealed()))
+    assert broadcast_step(model, 3, 10) == 2 and seen == [(3, 10), (3, 10)]
+
+
+@settings(max_examples=10, deadline=None)
+@given(b=st.integers(1, 3), length=st.integers(2, 6), vocab=st.integers(3, 11), temp=st.floats(0.5, 4.0))
+def test_distill_kl_matches_definition(b, length, vocab, temp):
+    torch.manual_seed(b * 100 + length)
+    s, t = torch.randn(b, length, vocab), torch.randn(b, length, vocab)
+    p, log_q = F.softmax(t / temp, -1), F.log_softmax(s / temp, -1)
+    manual = (p * (p.log() - log_q)).sum(-1).mean() * temp**2
+    torch.testing.assert_close(distill_kl(s, t, temp), manual, rtol=1e-5, atol=1e-6)
+    assert float(distill_kl(t, t, temp)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_ce_matches_transformers_loss(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"])
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    out = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(next_token_ce(out.logits, ids), out.loss, rtol=1e-6, atol=1e-6)
+    total, parts = heal_loss(out.logits, ids, out.logits, ce_weight=0.5, kl_weight=2.0, temperature=1.0)
+    assert parts["kl"] == pytest.approx(0.0, abs=1e-6) and float(total) == pytest.approx(0.5 * parts["ce"], rel=1e-6)
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def test_new_params_heal_trains_only_patterns_and_reloads(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])
+    recipe["train"].update(trainable="new", patterns=[r"kv_b_proj", r"kv_a_layernorm"], schedule="wsd")
+    recipe["eval"] = {"every": 4}
+    report = train(write_recipe(tmp_path / "r.yaml", **recipe))
+    out = tmp_path / "out"
+    before, after = load_file(str(tiny["mla"] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    changed = {k for k in after if not torch.equal(before[k], after[k])}
+    assert changed == {"model.layers.0.self_attn.kv_b_proj.weight", "model.layers.0.self_attn.kv_a_layernorm.weight"}
+
+    saved = json.loads((out / "finetune_report.json").read_text())
+    assert saved["tokens_seen"] == 12 * 4 * 16 == report["tokens_seen"] and saved["steps"] == 12
+    assert saved["teacher"] == str(tiny["llama"]) and saved["load"] == {"trust_remote_code": False}
+    assert len(saved["loss_curve"]) == 12 and saved["trainable"].startswith("new: ")
+    assert saved["eval_after"]["validation"]["loss"] < saved["eval_before"]["validation"]["loss"]
+    assert [p[0] for p in saved["eval_curve"]] == [4, 8, 12]
+    assert (out / "README.md").is_file() and (out / "tokenizer.json").is_file()
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    val = torch.randint(0, model.config.vocab_size, (1, 12))
+    reference = AutoModelForCausalLM.from_pretrained(tiny["mla"])
+    reference.load_state_dict(after, strict=False)
+    torch.testing.assert_close(model(val).logits, reference(val).logits, rtol=0, atol=0)
+
+
+def test_lora_merge_gives_plain_checkpoint(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    recipe = base_recipe(tmp_path, tiny["mla"], None, tiny["corpus"])
+    recipe["train"].update(
+        trainable="lora", max_steps=3, lora={"r": 4, "target_modules": ["q_proj", "kv_b_proj"], "modules_to_save": ["kv_a_layernorm"]}
+    )
+    recipe["loss"] = {"ce_weight": 1.0, "kl_weight": 0.0}
+    train(write_recipe(tmp_path / "r.yaml", **recipe))
+    out = tmp_path / "out"
+    keys = set(load_file(str(out / "model.safetensors")))
+    assert keys == set(load_file(str(tiny["mla"] / "model.safetensors")))  # no lora_A / modules_to_save copies
+    assert "lora" in json.loads((out / "finetune_report.json").read_text())["trainable"]
+    AutoModelForCausalLM.from_pretrained(out)
+
+
+# ------------------------------------------------------------------ refusals
+
+
+def run_cli(path, *overrides):
+    return cli_main(["finetune", "--config", str(path), *overrides])
+
+
+def test_teacher_with_other_tokenizer_is_refused(tiny, tmp_path, capsys):
+    other = build_tokenizer(write_corpus(tmp_path / "c.jsonl", seed=5), vocab_size=280)
+    teacher = save_llama(tmp_path / "other", other)
+    path = write_recipe(tmp_path / "r.yaml", **base_recipe(tmp_path, tiny["mla"], teacher, tiny["corpus"]))
+    assert run_cli(path) == 2
+    assert "different tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.run").exists()
+
+
+def test_dataset_too_small_is_refused(tiny, tmp_path, capsys):
+    small = tmp_path / "small.txt"
+    small.write_text("def f(x):\n    return x + 1\n" * 3)
+    recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], small)
+    recipe["data"]["val_tokens"] = 16
+    assert run_cli(write_recipe(tmp_path / "r.yaml", **recipe)) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("attnkit: error: ") and "fewer than one batch" in last and "Traceback" not in err
+    assert not (tmp_path / "out.run").exists()
+
+
+def test_checkpoint_folder_of_another_run_is_refused_untouched(tiny, tmp_path, capsys):
+    recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])
+    recipe["train"]["max_steps"] = 3
+    recipe["checkpoint"] = {"every": 1, "keep": 5}
+    path = write_recipe(tmp_path / "r.yaml", **recipe)
+    train(path, f"output_dir={tmp_path / 'first'}", f"run_dir={tmp_path / 'shared.run'}")
+    ckpts = tmp_path / "shared.run" / "checkpoints"
+    snapshot = {p: p.stat().st_mtime_ns for p in ckpts.rglob("*")}
+    assert len(list(ckpts.iterdir())) == 2  # steps 1 and 2 (the last step is the exported model)
+
+    assert run_cli(path, f"output_dir={tmp_path / 'second'}", f"run_dir={tmp_path / 'shared.run'}", "train.lr=0.5") == 2
+    assert "different run" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in ckpts.rglob("*")} == snapshot
+    assert not (tmp_path / "second").exists()
+
+    assert run_cli(path, f"output_dir={tmp_path / 'first'}") == 2  # non-empty output without force
+    assert "not empty" in capsys.readouterr().err
