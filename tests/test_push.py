@@ -79,6 +79,19 @@ def online(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
 
 
+def _reshard(f: Path) -> None:
+    """Rewrite the weights as several shards + index, as big checkpoints are."""
+    from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter
+
+    ckpt = LazyCheckpoint(f)
+    tensors = {name: ckpt.get(name) for name in ckpt.keys()}
+    (f / "model.safetensors").unlink()
+    writer = ShardedWriter(f, max_shard_bytes=20_000)
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    writer.close()
+
+
 def _copy(src: Path, tmp_path: Path) -> Path:
     dst = tmp_path / src.name
     shutil.copytree(src, dst)
@@ -208,6 +221,29 @@ def _truncate_weights(f: Path) -> None:
     (f / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
+def _drop_a_tensor(f: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(f / "model.safetensors")
+    tensors.pop("model.layers.0.self_attn.k_proj.weight")
+    save_file(tensors, f / "model.safetensors", metadata={"format": "pt"})
+
+
+def _shard_without_its_tensor(f: Path) -> None:
+    _reshard(f)
+    index = json.loads((f / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = sorted(set(index["weight_map"].values()))[0]
+    if index["weight_map"]["model.norm.weight"] == sorted(set(index["weight_map"].values()))[-1]:
+        raise AssertionError("test needs several shards")
+    (f / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _unknown_model_type(f: Path) -> None:
+    config = json.loads((f / "config.json").read_text())
+    config["model_type"] = "no_such_arch"
+    (f / "config.json").write_text(json.dumps(config))
+
+
 def _drop_tokenizer(f: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (f / name).unlink()
@@ -226,6 +262,9 @@ def _dangling_auto_map(f: Path) -> None:
         (_drop_weights, "no safetensors weights"),
         (_truncate_weights, "not a readable safetensors"),
         (_drop_tokenizer, "no tokenizer"),
+        (_drop_a_tensor, "lack 1 tensor(s) that config.json's model needs, e.g. model.layers.0.self_attn.k_proj.weight"),
+        (_shard_without_its_tensor, "lacks tensors that model.safetensors.index.json lists"),
+        (_unknown_model_type, "cannot build a causal LM"),
         (_dangling_auto_map, "modeling_dex.py"),
     ],
 )
@@ -277,3 +316,24 @@ def test_push_unreachable_hub(model_dir, online, tmp_path, capsys):
     argv = ["push", str(_copy(model_dir, tmp_path)), "--repo-id", "alice/x", "--endpoint", f"http://127.0.0.1:{port}", "--token", TOKEN]
     assert cli_main(argv) == 2
     assert "cannot reach the Hub at http://127.0.0.1:" in _one_line_error(capsys)
+
+
+def test_push_sharded_and_tied_checkpoints(tmp_path, online):
+    """Index + shards arrive intact; tied embeddings (no lm_head tensor) are not "missing"."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path / "tied"
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    _tiny_tokenizer(folder)
+    _reshard(folder)
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    with HubServer(TOKEN) as hub:
+        assert cli_main(["push", str(folder), "--repo-id", "alice/tied", "--endpoint", hub.url, "--token", TOKEN]) == 0
+        remote = hub.files("alice/tied")
+    for name in [*shards, "model.safetensors.index.json"]:
+        assert remote[name] == (folder / name).read_bytes()

@@ -87,8 +87,9 @@ def _check_remote_code(folder: Path, config: dict) -> bool:
     return bool(auto_map)
 
 
-def _check_weights(folder: Path) -> None:
-    """Every shard opens and its first tensor reads (safetensors checks header vs file size on open)."""
+def _check_weights(folder: Path) -> set[str]:
+    """Every shard opens and its first tensor reads (safetensors checks header vs file size on open);
+    returns the tensor names."""
     ckpt = LazyCheckpoint(folder)
     if not ckpt.keys():
         raise AttnkitError(f"the weights in {folder} hold no tensors")
@@ -98,10 +99,35 @@ def _check_weights(folder: Path) -> None:
     for name in first_per_shard.values():
         ckpt.get(name)
     if (folder / INDEX_FILE).is_file():
-        for shard, _ in first_per_shard.items():
+        for shard in first_per_shard:
             listed = {n for n, s in ckpt.weight_map.items() if s == shard}
             if not listed <= set(_keys_of(folder / shard)):
                 raise AttnkitError(f"{shard} lacks tensors that {INDEX_FILE} lists in it")
+    return set(ckpt.keys())
+
+
+def _check_tensor_names(folder: Path, names: set[str]) -> None:
+    """The weights hold every tensor the config's model needs (model built on the meta device: no memory).
+
+    Skipped for remote-code models (checking would execute the folder's code) and for model types
+    whose checkpoints transformers renames on load (MoE expert fusion): names cannot be compared there.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        if get_checkpoint_conversion_mapping(config.model_type):
+            return
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise AttnkitError(f"transformers cannot build a causal LM from {folder / 'config.json'}: {str(exc).splitlines()[0]}") from None
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = sorted(set(model.state_dict()) - tied - names)
+    if missing:
+        raise AttnkitError(f"the weights lack {len(missing)} tensor(s) that config.json's model needs, e.g. {missing[0]}")
 
 
 def _check_tokenizer(folder: Path) -> None:
@@ -124,7 +150,9 @@ def validate_folder(folder: str | os.PathLike) -> PushPlan:
         raise AttnkitError(f"{folder} is not a folder")
     config = _check_config(folder)
     remote_code = _check_remote_code(folder, config)
-    _check_weights(folder)
+    names = _check_weights(folder)
+    if not remote_code:
+        _check_tensor_names(folder, names)
     _check_tokenizer(folder)
     files = upload_files(folder)
     total = sum((folder / f).stat().st_size for f in files)
