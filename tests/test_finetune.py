@@ -146,6 +146,11 @@ def test_new_params_heal_trains_only_patterns_and_reloads(tiny, tmp_path):
     assert saved["eval_after"]["validation"]["loss"] < saved["eval_before"]["validation"]["loss"]
     assert [p[0] for p in saved["eval_curve"]] == [4, 8, 12]
     assert (out / "README.md").is_file() and (out / "tokenizer.json").is_file()
+    from attnkit.recipes.plot import plot, retention_curve
+
+    curve = retention_curve(saved)
+    assert [x for x, _ in curve] == [0, 256, 512, 768] and curve[-1][1] > curve[0][1]
+    assert plot([out], ["new"], tmp_path / "r.png").stat().st_size > 1000
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "DeepseekV3ForCausalLM"

@@ -205,6 +205,11 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         trainer_state = state.read_trainer_state(latest)
     else:
         trainer_state["eval_before"] = evaluate(tasks=True)
+        if teacher is not None:  # the target the student heals toward, on the same held-out rows
+            total, count = measure.validation_loss(
+                teacher, val_rows, t.per_device_batch_size, accelerator.device, accelerator.process_index, world
+            )
+            trainer_state["eval_teacher"] = {"validation": measure.reduce_loss(accelerator, total, count)}
         log.write({"event": "eval", "step": 0, **_flat(trainer_state["eval_before"])})
     start = trainer_state["step"]
     data_iter = _started(accelerator.skip_first_batches(loader, start * t.grad_accum))
@@ -265,6 +270,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         "eval_curve": trainer_state["eval_curve"],
         "eval_before": trainer_state["eval_before"],
         "eval_after": eval_after,
+        "eval_teacher": trainer_state.get("eval_teacher"),
         "trainable": f"{recipe.train.trainable}: {trainable_desc}",
         "load": {"trust_remote_code": trust},
         "notes": notes,
