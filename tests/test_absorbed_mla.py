@@ -53,13 +53,15 @@ def _left_padded(batch: int, seq: int, pads: list[int], seed=1) -> tuple[torch.T
     return ids, mask
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     interleave=st.booleans(), bias=st.booleans(), q_lora=st.sampled_from([None, 10]),
-    batch=st.integers(1, 3), seq=st.integers(1, 9), pad=st.booleans(),
+    batch=st.integers(1, 3), seq=st.sampled_from([1, 2, 5, 9, 17, 24]), pad=st.booleans(),
+    mode=st.sampled_from(["absorbed", "expanded"]),
 )
-def test_logits_match_expanded_path(interleave, bias, q_lora, batch, seq, pad):
-    ref, absorbed = _pair(interleave=interleave, bias=bias, q_lora=q_lora)
+def test_logits_match_expanded_path(interleave, bias, q_lora, batch, seq, pad, mode):
+    """Whole-prompt forward: folded heads (≤ 16 rows) and SDPA-GQA (longer) absorbed, and SDPA expanded."""
+    ref, absorbed = _pair(mode, interleave=interleave, bias=bias, q_lora=q_lora)
     pads = [min(i, seq - 1) for i in range(batch)] if pad else [0] * batch
     ids, mask = _left_padded(batch, seq, pads)
     with torch.no_grad():
@@ -69,7 +71,7 @@ def test_logits_match_expanded_path(interleave, bias, q_lora, batch, seq, pad):
     assert _rel(got[keep], want[keep]) < TOL
 
 
-@pytest.mark.parametrize("mode", ["absorbed", "auto"])
+@pytest.mark.parametrize("mode", ["absorbed", "auto", "expanded"])
 @pytest.mark.parametrize("interleave", [False, True])
 def test_incremental_decode_logits_match(mode, interleave):
     """Prefill then token-by-token decode, past 2x the prompt length, batch 2 with left padding."""
@@ -97,6 +99,24 @@ def test_greedy_generation_identical(mode):
         want, got = ref.generate(ids, **kw), absorbed.generate(ids, **kw)
     assert got.shape[1] > 2 * ids.shape[1]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["absorbed", "expanded"])
+@pytest.mark.parametrize("chunk", [3, 18])
+def test_chunked_prefill_through_cache(mode, chunk):
+    """A multi-token call on top of a filled cache (chunked prefill): causal mask built for Q < S."""
+    ref, absorbed = _pair(mode, q_lora=10)
+    ids = torch.randint(1, 97, (2, 20 + chunk), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = [m(ids[:, 20:], cache=m(ids[:, :20], use_cache=True).cache).logits for m in (absorbed, ref)]
+    assert _rel(got, want) < TOL
+
+
+def test_auto_rule_absorbs_decode_and_expands_long_prefill():
+    _, absorbed = _pair("auto")
+    attn = absorbed.model.layers[0].self_attn
+    assert attn.use_absorbed(1, 4096)
+    assert not attn.use_absorbed(4096, 4096)
 
 
 def test_beam_search_reorders_latent_cache():

@@ -18,6 +18,7 @@ unchanged); `model.generate` then uses it with a standard `DynamicCache` whose l
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
@@ -25,12 +26,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from attnkit.errors import AttnkitError
 
 MODES = ("auto", "absorbed", "expanded")
-# `auto` runs calls with at most this many new tokens absorbed, longer ones (prefill) expanded.
-# Measured with `python benchmarks/prefill_rule.py` (docs/inference.md): on CPU the expanded path
-# (SDPA over materialised K/V) wins for long prompts, absorption wins for decode and short chunks.
-AUTO_ABSORB_MAX_QUERY = 64
-# query rows per chunk in the absorbed path, so scores [B, H, chunk, S] stay bounded in memory
-_SCORE_BUDGET = 1 << 25
+# calls with at most this many new tokens fold the heads into query rows (decode, short chunks)
+FOLD_MAX_QUERY = 16
 _BLOCK = 256  # latent cache capacity grows in blocks of this many tokens
 
 
@@ -130,70 +127,80 @@ def split_kv_b(weight: torch.Tensor, heads: int, d_nope: int, d_v: int) -> tuple
     return w[:, :d_nope], w[:, d_nope:]
 
 
-def _mask_chunk(mask: torch.Tensor | None, rows: slice, q_len: int, kv_len: int, device) -> torch.Tensor | None:
-    """The attention mask for query rows `rows`, as an additive or boolean [B|1, 1, q, S] tensor.
+def sdpa_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, device) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) for SDPA from transformers' mask: [B|1, 1, Q, S] bool/additive, or None.
 
-    None means "causal, no padding" (what SDPA gets): query i sits at position kv_len - q_len + i.
+    None means "causal, no padding": query i sits at position kv_len - q_len + i.
     """
     if mask is not None:
-        return mask[..., rows, :kv_len]
+        return mask[..., :kv_len], False
     if q_len == 1:
-        return None
-    pos = torch.arange(kv_len - q_len, kv_len, device=device)[rows]
-    return (torch.arange(kv_len, device=device)[None, :] <= pos[:, None])[None, None]  # [1, 1, q, S]
+        return None, False
+    if q_len == kv_len:
+        return None, True
+    return causal_mask(q_len, kv_len, device), False
+
+
+def causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Boolean [1, 1, Q, S] mask (True = attend) for the last Q of S positions."""
+    pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    return (torch.arange(kv_len, device=device)[None, :] <= pos[:, None])[None, None]
 
 
 def latent_attention(
     query: torch.Tensor, fused: torch.Tensor, rank: int, scaling: float, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """Softmax attention of latent-space queries against the fused latent cache.
+    """Softmax attention of latent-space queries against the fused latent cache (MQA with one shared head).
 
     query [B, H, Q, r + d_r] (= [q_nope·W_UK | q_pe]), fused [B, S, r + d_r] → output [B, H, Q, r] (latent).
-    The H heads are folded into matmul rows, so each chunk reads the cache once for scores, once for values.
+    Keys and values are the same tensor: the output's k_pe columns are computed and dropped, which keeps
+    q/k/v head dims equal so SDPA takes its fused (flash) kernel and never materialises [Q, S] scores.
+    For few query rows the H heads fold into rows of one head, so the cache is streamed once per call.
     """
     b, h, q_len, width = query.shape
     kv_len = fused.shape[1]
-    chunk = max(1, min(q_len, _SCORE_BUDGET // max(1, b * h * kv_len)))
-    keys_t = fused.transpose(1, 2)  # [B, r + d_r, S]
-    values = fused[..., :rank]  # [B, S, r]
-    outs = []
-    for start in range(0, q_len, chunk):
-        rows = slice(start, min(q_len, start + chunk))
-        q = query[:, :, rows]
-        n = q.shape[2]
-        scores = torch.matmul(q.reshape(b, h * n, width), keys_t).view(b, h, n, kv_len) * scaling
-        m = _mask_chunk(mask, rows, q_len, kv_len, query.device)
-        if m is not None:
-            if m.dtype == torch.bool:
-                scores = scores.masked_fill(~m, torch.finfo(scores.dtype).min)
-            else:
-                scores = scores + m
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        outs.append(torch.matmul(probs.view(b, h * n, kv_len), values).view(b, h, n, rank))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    kv = fused[:, None]  # [B, 1, S, r + d_r]
+    attn_mask, causal = sdpa_mask(mask, q_len, kv_len, query.device)
+    if q_len <= FOLD_MAX_QUERY:
+        folded = query.reshape(b, 1, h * q_len, width)  # rows ordered (head, query)
+        if causal:
+            attn_mask = causal_mask(q_len, kv_len, query.device)
+        if attn_mask is not None:  # [B|1, 1, Q, S] → [B|1, 1, H·Q, S]
+            attn_mask = attn_mask[:, :, None].expand(-1, -1, h, -1, -1).reshape(attn_mask.shape[0], 1, h * q_len, -1)
+        out = F.scaled_dot_product_attention(folded, kv, kv, attn_mask=attn_mask, scale=scaling)
+        return out.view(b, h, q_len, width)[..., :rank]
+    out = F.scaled_dot_product_attention(query, kv, kv, attn_mask=attn_mask, is_causal=causal, scale=scaling,
+                                         enable_gqa=True)
+    return out[..., :rank]
+
+
+def absorbed_cost(q_len: int, kv_len: int, heads: int, rank: int, rope: int, d_nope: int, d_v: int) -> int:
+    """Multiply-adds of one absorbed call: absorb the query, scores + values over the latent, un-absorb."""
+    return q_len * heads * rank * (d_nope + d_v) + 2 * q_len * kv_len * heads * (rank + rope)
+
+
+def expanded_cost(q_len: int, kv_len: int, heads: int, rank: int, rope: int, d_nope: int, d_v: int) -> int:
+    """Multiply-adds of one expanded call: kv_b_proj over the whole cache, then attention (V padded)."""
+    return kv_len * rank * heads * (d_nope + d_v) + q_len * kv_len * heads * (d_nope + rope + max(d_nope + rope, d_v))
 
 
 class AbsorbedDeepseekV3Attention(ds.DeepseekV3Attention):
-    """DeepseekV3Attention with an absorbed path; `attnkit_mode` picks it per call (see MODES)."""
+    """DeepseekV3Attention with absorbed and SDPA-expanded paths; `attnkit_mode` picks per call (MODES)."""
 
     attnkit_mode = "auto"
 
-    def use_absorbed(self, q_len: int) -> bool:
-        """The per-call rule: absorbed for decode/short chunks at inference, expanded otherwise."""
-        if self.attnkit_mode == "absorbed":
-            return True
-        if self.attnkit_mode == "expanded" or (self.training and self.attention_dropout > 0):
-            return False
-        return q_len <= AUTO_ABSORB_MAX_QUERY
+    def use_absorbed(self, q_len: int, kv_len: int) -> bool:
+        """The per-call rule: in `auto`, the path with fewer multiply-adds (see benchmarks/prefill_rule.py)."""
+        if self.attnkit_mode != "auto":
+            return self.attnkit_mode == "absorbed"
+        shape = (self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
+        return absorbed_cost(q_len, kv_len, *shape) <= expanded_cost(q_len, kv_len, *shape)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         if "past_key_values" in kwargs and cache is None:
             cache = kwargs.pop("past_key_values")
-        if cache is not None:
-            layer = latent_layer(cache, self.layer_idx)
-        if not self.use_absorbed(hidden_states.shape[1]):
+        if self.training and self.attention_dropout > 0:  # attention dropout: transformers' own path
             return super().forward(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-
         b, q_len = hidden_states.shape[:-1]
         if self.q_lora_rank is None:
             q_states = self.q_proj(hidden_states)
@@ -213,17 +220,44 @@ class AbsorbedDeepseekV3Attention(ds.DeepseekV3Attention):
         q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
 
         if cache is not None:
+            layer = latent_layer(cache, self.layer_idx)
             cache.update(kv_nope, k_rot, self.layer_idx)
             fused = layer.fused()  # [B, S, r + d_r]
         else:
             fused = torch.cat([kv_nope[:, 0], k_rot[:, 0]], dim=-1)
 
+        if self.use_absorbed(q_len, fused.shape[1]):
+            out = self._absorbed(q_nope, q_rot, fused, attention_mask)
+        else:
+            out = self._expanded(q_nope, q_rot, fused, attention_mask)
+        return self.o_proj(out.reshape(b, q_len, -1)), None  # out [B, Q, H, d_v]
+
+    def _absorbed(self, q_nope, q_rot, fused, mask) -> torch.Tensor:
         w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
         q_latent = torch.einsum("bhqn,hnr->bhqr", q_nope, w_uk)  # [B, H, Q, r]
         query = torch.cat([q_latent, q_rot], dim=-1)  # [B, H, Q, r + d_r]
-        out_latent = latent_attention(query, fused, self.kv_lora_rank, self.scaling, attention_mask)
-        out = torch.einsum("bhqr,hvr->bqhv", out_latent, w_uv).reshape(b, q_len, -1)  # [B, Q, H·d_v]
-        return self.o_proj(out), None
+        out_latent = latent_attention(query, fused, self.kv_lora_rank, self.scaling, mask)  # [B, H, Q, r]
+        return torch.einsum("bhqr,hvr->bqhv", out_latent, w_uv)  # [B, Q, H, d_v]
+
+    def _expanded(self, q_nope, q_rot, fused, mask) -> torch.Tensor:
+        """transformers' math (kv_b_proj over the cache), with V zero-padded to the q/k head dim so SDPA
+        uses its fused kernel on CPU instead of materialising the [Q, S] scores."""
+        b, h, q_len, _ = q_nope.shape
+        kv_len = fused.shape[1]
+        # [B, S, r] → [B, S, H, d_nope + d_v] → [B, H, S, d_nope + d_v]
+        kv = self.kv_b_proj(fused[..., : self.kv_lora_rank]).view(b, kv_len, h, -1).transpose(1, 2)
+        k_nope, value = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = fused[:, None, :, self.kv_lora_rank :].expand(b, h, kv_len, -1)
+        key = torch.cat([k_nope, k_pe], dim=-1)  # [B, H, S, d_nope + d_r]
+        query = torch.cat([q_nope, q_rot], dim=-1)
+        pad = self.qk_head_dim - self.v_head_dim
+        if pad > 0:
+            value = F.pad(value, (0, pad))
+        elif pad < 0:
+            query, key = F.pad(query, (0, -pad)), F.pad(key, (0, -pad))
+        attn_mask, causal = sdpa_mask(mask, q_len, kv_len, q_nope.device)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=causal, scale=self.scaling)
+        return out[..., : self.v_head_dim].transpose(1, 2)  # [B, Q, H, d_v]
 
 
 def is_mla(model: nn.Module) -> bool:
@@ -234,8 +268,8 @@ def is_mla(model: nn.Module) -> bool:
 def enable_absorbed(model: nn.Module, mode: str = "auto") -> nn.Module:
     """Switch every DeepSeek-V3 attention of `model` to the absorbed implementation (in place).
 
-    mode: "auto" (absorbed for ≤ AUTO_ABSORB_MAX_QUERY new tokens, expanded prefill), "absorbed", "expanded"
-    (transformers' math, on the latent cache). Returns the model. Raises AttnkitError for a non-MLA model.
+    mode: "auto" (per call, the path with fewer multiply-adds: absorbed for decode), "absorbed", "expanded"
+    (transformers' math with an SDPA-friendly layout, on the latent cache). Returns the model. Raises AttnkitError for a non-MLA model.
     """
     if mode not in MODES:
         raise AttnkitError(f"unknown MLA attention mode {mode!r}; choose one of {', '.join(MODES)}")
