@@ -337,3 +337,26 @@ def test_push_sharded_and_tied_checkpoints(tmp_path, online):
         remote = hub.files("alice/tied")
     for name in [*shards, "model.safetensors.index.json"]:
         assert remote[name] == (folder / name).read_bytes()
+
+
+def test_push_refuses_native_mla_folder_missing_its_latent_norm(tmp_path, online, capsys):
+    """A dense DeepSeek-V3 (MLA) output is checked too, though transformers converts that model type on load."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path / "mla"
+    config = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+                              qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    DeepseekV3ForCausalLM(config).save_pretrained(folder)
+    _tiny_tokenizer(folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors.pop("model.layers.0.self_attn.kv_a_layernorm.weight")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with HubServer(TOKEN) as hub:
+        assert cli_main(["push", str(folder), "--repo-id", "alice/mla", "--endpoint", hub.url, "--token", TOKEN]) == 2
+        assert hub.log == []
+    assert "kv_a_layernorm" in _one_line_error(capsys)
