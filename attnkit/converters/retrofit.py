@@ -90,7 +90,7 @@ def _convert(args: argparse.Namespace, method: str, source_path: Path | None = N
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(device).eval()
     source_dtype = _source_dtype(config)
-    stats = _calibrate(model, calib, device)
+    stats = calibrate(model, calib, device)
     kv_before = _kv_bytes(model)
     logits_before = _logits(model, evaluation, device)
 
@@ -166,7 +166,7 @@ def _convert(args: argparse.Namespace, method: str, source_path: Path | None = N
 
 
 @torch.no_grad()
-def _calibrate(model, rows: torch.Tensor, device: torch.device) -> dict:
+def calibrate(model, rows: torch.Tensor, device: torch.device) -> dict:
     """Per layer and head: mean normalised attention entropy and mean RMS of the head output."""
     layers = model.config.num_hidden_layers
     attns = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
