@@ -114,7 +114,8 @@ def test_eval_file_wins_and_round_trips_through_huggingface_hub(tmp_path):
     eval_results = {
         "schema": "attnkit.eval/v1", "tasks": ["attnkit-ppl", "attnkit-recall-512"],
         "models": {"model": {"name": "m", "metrics": {"attnkit-ppl": {"token_perplexity": 13.5, "bits_per_byte": 0.71},
-                                                      "attnkit-recall-512": {"acc": 0.9}}},
+                                                      "attnkit-recall-512": {"acc": 0.9},
+                                                      "attnkit-recall-1024": {"acc": float("nan")}}},
                    "baseline": {"name": "Qwen/Qwen2.5-0.5B", "metrics": {"attnkit-ppl": {"token_perplexity": 12.9}}}},
         "retention": {"attnkit-ppl/token_perplexity": 0.955},
     }
@@ -126,6 +127,7 @@ def test_eval_file_wins_and_round_trips_through_huggingface_hub(tmp_path):
     assert card.data.model_name == "qwen-mla"
     assert card.data.base_model == "Qwen/Qwen2.5-0.5B"  # the trainer's teacher
     assert "| attnkit-ppl | token_perplexity | 13.5 | 12.9 | 0.955 |" in card.text
+    assert "| attnkit-recall-512 | acc | 0.9 | – | – |" in card.text
     assert 'from_pretrained("alice/qwen-mla")' in card.text
 
 

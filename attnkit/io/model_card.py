@@ -16,6 +16,7 @@ training afterwards, so "finetune" is the relation that fits.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -89,10 +90,8 @@ def source_model(convert: dict | None, finetune: dict | None) -> str | None:
     return None
 
 
-def method_of(convert: dict | None, config: dict | None) -> str | None:
-    if convert and convert.get("method"):
-        return str(convert["method"])
-    return None
+def method_of(convert: dict | None) -> str | None:
+    return str(convert["method"]) if convert and convert.get("method") else None
 
 
 def needs_remote_code(convert: dict | None, finetune: dict | None, config: dict | None) -> bool:
@@ -108,10 +107,8 @@ def card_tags(method: str | None, config: dict | None) -> list[str]:
     tags = ["attnkit"]
     if method:
         tags += [part for part in method.split("+") if part]
-    model_type = (config or {}).get("model_type")
-    if model_type == "deepseek_v3":
-        tags.append("deepseek_v3")
-    elif model_type:
+    model_type = (config or {}).get("model_type")  # deepseek_v3 for MLA outputs
+    if model_type:
         tags.append(str(model_type))
     return list(dict.fromkeys(tags))
 
@@ -146,8 +143,8 @@ def eval_results_for_index(model: dict[str, dict[str, Any]]) -> list[EvalResult]
     results = []
     for task, metrics in model.items():
         for metric, value in (metrics or {}).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue  # the Hub's model-index takes numbers only
             results.append(
                 EvalResult(
                     task_type="text-generation",
@@ -173,7 +170,7 @@ def build_card_data(reports: dict[str, dict | None], model_name: str | None = No
         base_model_relation=BASE_MODEL_RELATION if base else None,
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=card_tags(method_of(convert, config), config),
+        tags=card_tags(method_of(convert), config),
         model_name=model_name if results else None,
         eval_results=results or None,
     )
@@ -337,7 +334,7 @@ def build_card(reports: dict[str, dict | None], repo_id: str | None = None, name
     title = repo_id.split("/")[-1] if repo_id else (name or "attnkit model")
     data = build_card_data(reports, model_name=title)
     source = source_model(convert, finetune)
-    method = method_of(convert, config)
+    method = method_of(convert)
     summary = f"`{source}` with its attention rewritten" if source else "A model with its attention rewritten"
     if method:
         summary += f" to {_METHOD_TITLES.get(method, method)}"
