@@ -37,7 +37,7 @@ class LatentLayer(DynamicLayer):
     It speaks transformers' DeepSeek-V3 protocol — `update(c_kv [B,1,Q,r], k_pe [B,1,Q,d_r])` returns
     views of the whole cache in the same layout — so the expanded path works on it too, and
     `fused()` gives the absorbed path the [B, S, r + d_r] tensor it multiplies against directly.
-    Capacity grows in blocks of `_BLOCK` tokens (amortised O(1) append, ≤ `_BLOCK` - 1 tokens slack).
+    Capacity grows in blocks of `_BLOCK` tokens (amortised O(1) append, at most `_BLOCK` tokens slack).
     """
 
     def __init__(self, **kwargs):
@@ -76,7 +76,7 @@ class LatentLayer(DynamicLayer):
         """Append fused latents [B, Q, r + d_r]; reallocates only when the block capacity is exceeded."""
         need = self._len + fused.shape[1]
         if self._buf.shape[0] != fused.shape[0] or need > self._buf.shape[1] or not self._buf.is_contiguous():
-            cap = -(-need // _BLOCK) * _BLOCK
+            cap = (need // _BLOCK + 1) * _BLOCK  # at least one free slot: the next decode step never copies
             grown = fused.new_empty(fused.shape[0], cap, fused.shape[2])
             grown[:, : self._len] = self._buf[:, : self._len]
             self._buf = grown

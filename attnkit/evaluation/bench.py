@@ -77,6 +77,7 @@ class AttentionTimer:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.device, self.enabled, self.total, self._t0 = device, False, 0.0, 0.0
         mods = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+        self.weight_bytes = sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
         self._handles = [h for m in mods for h in (m.register_forward_pre_hook(self._pre),
                                                   m.register_forward_hook(self._post))]
 
@@ -107,18 +108,24 @@ def _returned_cache(out):
 
 
 @torch.no_grad()
-def measure_once(model, ids: torch.Tensor, decode_tokens: int, timer: AttentionTimer, bandwidth: float) -> dict:
-    """One prefill of `ids` [B, T] and `decode_tokens` greedy steps; times, cache bytes, attention vs bound."""
+def measure_once(model, ids: torch.Tensor, decode_tokens: int, timer: AttentionTimer, bandwidth: float,
+                 chunk: int = 0) -> dict:
+    """Prefill `ids` [B, T] (in chunks of `chunk` tokens if > 0), then `decode_tokens` greedy steps;
+    times, cache bytes, attention time vs the cache-read bound."""
     device = ids.device
     cache_kw, keep = _forward_kwargs(model)
     extra = {"logits_to_keep": 1} if keep else {}
     batch, prompt = ids.shape
+    step = chunk if chunk > 0 else prompt
+    cache = None
     sync(device)
     t0 = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True, **extra)
+    for start in range(0, prompt, step):
+        past = {cache_kw: cache} if cache is not None else {}
+        out = model(input_ids=ids[:, start : start + step], use_cache=True, **past, **extra)
+        cache = _returned_cache(out)
     sync(device)
     prefill_s = time.perf_counter() - t0
-    cache = _returned_cache(out)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
     del out
     timer.total, timer.enabled = 0.0, True
@@ -138,6 +145,7 @@ def measure_once(model, ids: torch.Tensor, decode_tokens: int, timer: AttentionT
         "prefill_s": prefill_s, "decode_s": decode_s, "attention_s": timer.total,
         "kv_cache_bytes": stored, "kv_cache_allocated_bytes": allocated or stored,
         "kv_cache_bytes_per_token": per_token, "attention_lower_bound_s": read / bandwidth,
+        "attention_weights_bound_s": (read + decode_tokens * timer.weight_bytes) / bandwidth,
     }
 
 
@@ -148,20 +156,26 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in msg or "can't allocate memory" in msg)
 
 
-def estimate_bytes(config, kv_per_token: int, batch: int, tokens: int, dtype_bytes: int) -> int:
-    """Rough working set of a case: the cache plus one layer's prefill activations (for a CPU pre-check)."""
+def estimate_bytes(config, kv_per_token: int, batch: int, tokens: int, dtype_bytes: int, score_rows: int = 0) -> int:
+    """Rough working set of a case: the cache plus one layer's prefill activations (for a CPU pre-check),
+    plus materialised [H, rows, S] attention scores when the path has them (transformers' DeepSeek-V3:
+    its V head dim differs from Q/K's, so SDPA on CPU falls back to the math kernel)."""
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head = getattr(config, "qk_nope_head_dim", None)
     per_head = (head + config.qk_rope_head_dim + config.v_head_dim) if head else 3 * (hidden // heads)
     act = hidden * 4 + heads * per_head + 3 * getattr(config, "intermediate_size", 4 * hidden)
-    return kv_per_token * batch * tokens + act * batch * tokens * dtype_bytes
+    scores = 3 * batch * heads * score_rows * tokens * 4  # scores, softmax, their fp32 copies
+    return kv_per_token * batch * tokens + act * batch * tokens * dtype_bytes + scores
 
 
-def run_case(model, config, context: int, batch: int, args, timer, bandwidth, device, kv_per_token) -> dict:
+def run_case(model, info: dict, context: int, batch: int, args, timer, bandwidth, device) -> dict:
     """All repeats of one (context, batch) case; an out-of-memory is recorded, not raised."""
     row: dict = {"context": context, "batch": batch}
-    need = estimate_bytes(config, kv_per_token, batch, context, next(model.parameters()).element_size())
+    config = model.config
+    rows = (args.prefill_chunk or context) if info["mla"] and info["attn"] == "expanded" else 0
+    need = estimate_bytes(config, info["kv_cache_bytes_per_token"]["total"], batch, context,
+                          next(model.parameters()).element_size(), rows)
     if device.type == "cpu" and need > psutil.virtual_memory().available:
         row.update(status="oom", error=f"predicted working set {need / 2**30:.1f} GiB exceeds available memory")
         return row
@@ -172,7 +186,7 @@ def run_case(model, config, context: int, batch: int, args, timer, bandwidth, de
         for _ in range(args.repeats):
             ids = torch.randint(1, vocab, (batch, context - args.decode_tokens), generator=gen).to(device)
             with PeakMemory(device) as peak:
-                runs.append(measure_once(model, ids, args.decode_tokens, timer, bandwidth))
+                runs.append(measure_once(model, ids, args.decode_tokens, timer, bandwidth, args.prefill_chunk))
             peaks.append(peak.peak / 2**20)
             del ids
             gc.collect()
@@ -200,6 +214,8 @@ def run_case(model, config, context: int, batch: int, args, timer, bandwidth, de
         attention_decode_s=attn,
         attention_lower_bound_s=last["attention_lower_bound_s"],
         attention_vs_bound=attn["median"] / last["attention_lower_bound_s"],
+        attention_weights_bound_s=last["attention_weights_bound_s"],
+        attention_vs_bound_with_weights=attn["median"] / last["attention_weights_bound_s"],
     )
     return row
 
@@ -231,7 +247,8 @@ def load_model(spec: str, path: Path, raw: dict, attn: str, dtype: torch.dtype, 
         path_name = "expanded MLA (transformers DeepseekV3Attention)"
     else:
         path_name = "plain (not an MLA model: its own attention, --attn does not apply)"
-    info = {"name": spec, "path": str(path), "model_type": raw.get("model_type"), "mla": mla, "attn_path": path_name,
+    info = {"name": spec, "path": str(path), "model_type": raw.get("model_type"), "mla": mla, "attn": attn,
+            "attn_path": path_name,
             "dtype": str(dtype).replace("torch.", ""), "params": sum(p.numel() for p in model.parameters()),
             "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
             "load": {"trust_remote_code": bool(raw.get("auto_map"))}}
@@ -271,14 +288,13 @@ def bench_model(spec: str, path: Path, raw: dict, attn: str, args, device, dtype
     if not info["mla"]:
         print(f"attnkit bench: {spec} is not an MLA model; measuring its plain attention path", file=sys.stderr)
     info["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model)
-    per_token = info["kv_cache_bytes_per_token"]["total"]
     timer = AttentionTimer(model, device)
     warm_up(model, device, timer)
     info["results"] = []
     for context in args.context:
         for batch in args.batch:
             progress.set_postfix_str(f"{spec} ctx={context} batch={batch}")
-            info["results"].append(run_case(model, model.config, context, batch, args, timer, bandwidth, device, per_token))
+            info["results"].append(run_case(model, info, context, batch, args, timer, bandwidth, device))
             progress.update(1)
     timer.remove()
     del model
