@@ -221,3 +221,30 @@ def test_checkpoint_folder_of_another_run_is_refused_untouched(tiny, tmp_path, c
 
     assert run_cli(path, f"output_dir={tmp_path / 'first'}") == 2  # non-empty output without force
     assert "not empty" in capsys.readouterr().err
+
+
+def test_diff_retrofit_heals_with_remote_code_and_step_schedule(tiny, tmp_path):
+    """A DIFF retrofit (auto_map + modeling code) heals from `teacher: source` and reloads in kind."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    assert cli_main(["convert", "--to", "diff", str(tiny["llama"]), "-o", str(tmp_path / "diff")]) == 0
+    recipe_file = Path(__file__).resolve().parent.parent / "recipes" / "heal-diff.yaml"
+    overrides = [
+        f"model={tmp_path / 'diff'}", f"output_dir={tmp_path / 'out'}", f"data.source={tiny['corpus']}",
+        "data.seq_len=16", "data.tokens=512", "data.val_tokens=64", "train.per_device_batch_size=4",
+        "eval.tasks=null", "checkpoint.every=0", "log.tensorboard=false", "train.lr=1e-2",
+    ]
+    report = train(recipe_file, *overrides)
+    out = tmp_path / "out"
+    assert report["teacher"] and report["load"] == {"trust_remote_code": True}
+    assert (out / "modeling_attnkit.py").is_file() and "auto_map" in json.loads((out / "config.json").read_text())
+    before, after = load_file(str(tmp_path / "diff" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    changed = {k for k in after if not torch.equal(before[k], after[k])}
+    assert changed and all(".diff" in k for k in changed), changed
+    ramp_keys = [k for k in before if k.endswith(".ramp")]
+    assert ramp_keys and all(float(before[k]) == 0.0 for k in ramp_keys)  # the conversion starts un-annealed
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    ramps = [float(m.ramp) for m in model.modules() if hasattr(m, "attnkit_set_step")]
+    assert ramps and all(r == 1.0 for r in ramps)  # broadcast_step drove the annealing to its end

@@ -69,11 +69,11 @@ def make_accelerator(recipe: Recipe):
     return accelerator, note
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise AttnkitError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}") from None
 
@@ -109,7 +109,7 @@ def check_teacher(spec: str | None, tokenizer, student_vocab: int) -> tuple[Path
         return None, {}
     path = resolve_model(spec)
     config = check_causal_lm(path)
-    if not same_tokenizer(tokenizer, load_tokenizer(path)):
+    if not same_tokenizer(tokenizer, load_tokenizer(path, "auto_map" in config)):
         raise AttnkitError(f"teacher {spec} has a different tokenizer than the student; distillation needs the same one")
     if config.get("vocab_size") != student_vocab:
         raise AttnkitError(f"teacher {spec} has vocab_size {config.get('vocab_size')}, the student {student_vocab}")
@@ -146,7 +146,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     if run_dir.resolve() == out.resolve():
         raise AttnkitError("recipe key run_dir: must differ from output_dir")
     latest = state.open_run_dir(run_dir, recipe.fingerprint(), world, main_proc)
-    tokenizer = load_tokenizer(student_path)
+    tokenizer = load_tokenizer(student_path, trust)
     teacher_name = teacher_spec(recipe, student_path) if recipe.loss.kl_weight > 0 else None
     teacher_path, teacher_config = check_teacher(teacher_name, tokenizer, config.get("vocab_size"))
     total_steps, rows_per_step = batches.plan_steps(recipe.data, recipe.train, world)
