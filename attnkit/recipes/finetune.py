@@ -94,7 +94,8 @@ def teacher_spec(recipe: Recipe, student_path: Path) -> str | None:
     report = student_path / "attnkit_report.json"
     try:
         source = json.loads(report.read_text())["source"]
-        return source.get("path") or source["model"]
+        path = source.get("path")  # where the source was read from (may be relative to that run's cwd)
+        return path if path and Path(path).is_dir() else source["model"]
     except (OSError, ValueError, KeyError, TypeError):
         raise AttnkitError(f"teacher: source needs {report} with a source model; name the teacher instead") from None
 
