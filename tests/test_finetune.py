@@ -248,3 +248,14 @@ def test_diff_retrofit_heals_with_remote_code_and_step_schedule(tiny, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     ramps = [float(m.ramp) for m in model.modules() if hasattr(m, "attnkit_set_step")]
     assert ramps and all(r == 1.0 for r in ramps)  # broadcast_step drove the annealing to its end
+
+
+def test_missing_tensorboard_degrades_with_a_note(tmp_path, monkeypatch):
+    import accelerate.utils
+
+    from attnkit.recipes.finetune import make_accelerator
+    from attnkit.recipes.recipe import Recipe
+
+    monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
+    accelerator, note = make_accelerator(Recipe(model="m", output_dir=str(tmp_path / "o")))
+    assert not accelerator.log_with and "pip install tensorboard" in note
