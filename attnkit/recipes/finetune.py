@@ -241,7 +241,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
             if progress is not None:
                 progress.set_postfix(loss=f"{parts['loss']:.4f}", tok_s=f"{rate:,.0f}")
         if recipe.eval.every and done % recipe.eval.every == 0 and done < total_steps:
-            result = evaluate(tasks=False)
+            result = evaluate(tasks=recipe.eval.tasks_periodic)
             trainer_state["eval_curve"].append([done, trainer_state["tokens_seen"], result["validation"]["loss"]])
             log.write({"event": "eval", "step": done, **_flat(result)})
         if recipe.checkpoint.every and done % recipe.checkpoint.every == 0 and done < total_steps:

@@ -67,6 +67,7 @@ class EvalSection:
     every: int = 0  # validation loss every N steps (0: only before and after)
     tasks: str | None = None  # `attnkit eval` tasks before/after, e.g. attnkit-core (null: skip)
     limit: int | None = None  # at most N documents per task
+    tasks_periodic: bool = False  # also run `tasks` at every `every` steps (slow), not only before/after
 
 
 @dataclass
