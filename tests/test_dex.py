@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_dex_models import FAMILIES, convert_cli, retrofit_pair, save_tiny_model, set_step, write_calib
+from test_dex_models import calib, FAMILIES, convert_cli, retrofit_pair, save_tiny_model, set_step  # noqa: F401 (calib: fixture)
 
 from attnkit.adapters.dex import anneal_ramp, lambda_init_for_layer
 from attnkit.converters.dex import normalized_entropy, parse_heads, select_heads
@@ -119,11 +119,6 @@ def test_dex_acts_only_on_selected_heads():
 
 
 # ------------------------------------------------------------------ CLI
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory):
-    return write_calib(tmp_path_factory.mktemp("calib"))
 
 
 def test_convert_dex_cli_report(tmp_path, calib):

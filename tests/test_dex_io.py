@@ -8,15 +8,10 @@ import json
 
 import pytest
 import torch
-from test_dex_models import convert_cli, fresh_process_logits, retrofit_pair, save_tiny_model, set_step, write_calib
+from test_dex_models import calib, convert_cli, fresh_process_logits, retrofit_pair, save_tiny_model, set_step  # noqa: F401 (calib: fixture)
 from transformers import AutoModelForCausalLM
 
 import attnkit.adapters  # noqa: F401  (registers attnkit_* with the Auto classes)
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory):
-    return write_calib(tmp_path_factory.mktemp("calib"))
 
 
 def _adapt_randomly(model, seed: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -91,6 +92,12 @@ def write_calib(folder: Path) -> Path:
     for i in range(40):
         (folder / f"doc{i}.txt").write_text(CALIB_TEXT[i * 300 :] + CALIB_TEXT[: i * 300])
     return folder
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory):
+    """A calibration text folder shared by a test module."""
+    return write_calib(tmp_path_factory.mktemp("calib"))
 
 
 def test_tiny_models_build(tmp_path):

@@ -29,7 +29,19 @@ def anneal_ramp(step: int, total_steps: int, anneal_fraction: float) -> float:
     return float(min(1.0, max(0.0, step / span)))
 
 
-class DexHeadMix(nn.Module):
+class Annealed(nn.Module):
+    """Holds the schedule state that `attnkit_set_step` drives (persistent buffers, saved with the model)."""
+
+    def _register_schedule(self, layer_idx: int, anneal_fraction: float) -> None:
+        self.register_buffer("lambda_init", torch.tensor([lambda_init_for_layer(layer_idx)]))
+        self.register_buffer("ramp", torch.zeros(1))
+        self.register_buffer("anneal_fraction", torch.tensor([float(anneal_fraction)]))
+
+    def attnkit_set_step(self, step: int, total_steps: int) -> None:
+        self.ramp.fill_(anneal_ramp(step, total_steps, float(self.anneal_fraction)))
+
+
+class DexHeadMix(Annealed):
     """The DEX operation of one layer, on the per-head attention output [B, T, H, d_v]."""
 
     def __init__(self, num_heads: int, head_dim: int, selected: list[int], layer_idx: int, anneal_fraction: float = 0.25):
@@ -41,12 +53,7 @@ class DexHeadMix(nn.Module):
         self.lambda_learned = nn.Parameter(torch.zeros(1))
         # buffers are persistent: a fine-tuned checkpoint keeps its ramp, selection and schedule
         self.register_buffer("head_mask", mask)  # [H] 1 = selected
-        self.register_buffer("lambda_init", torch.tensor([lambda_init_for_layer(layer_idx)]))
-        self.register_buffer("ramp", torch.zeros(1))
-        self.register_buffer("anneal_fraction", torch.tensor([float(anneal_fraction)]))
-
-    def attnkit_set_step(self, step: int, total_steps: int) -> None:
-        self.ramp.fill_(anneal_ramp(step, total_steps, float(self.anneal_fraction)))
+        self._register_schedule(layer_idx, anneal_fraction)
 
     def effective_lambda(self) -> torch.Tensor:
         return self.ramp * (self.lambda_init + self.lambda_learned)

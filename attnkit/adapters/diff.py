@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dex import anneal_ramp, lambda_init_for_layer
+from .dex import Annealed
 
 
-class DiffCombine(nn.Module):
+class DiffCombine(Annealed):
     """Combines the two attention outputs of one layer, [B, T, H, d_v] each."""
 
     def __init__(self, num_heads: int, head_dim: int, layer_idx: int, anneal_fraction: float = 0.25, eps: float = 1e-6):
@@ -43,12 +43,7 @@ class DiffCombine(nn.Module):
         self.lambda_k2 = nn.Parameter(torch.randn(head_dim, generator=gen) * 0.1)
         self.norm_weight = nn.Parameter(torch.ones(num_heads, head_dim))  # per-head RMSNorm weight [H, d_v]
         self.eps = eps
-        self.register_buffer("lambda_init", torch.tensor([lambda_init_for_layer(layer_idx)]))
-        self.register_buffer("ramp", torch.zeros(1))
-        self.register_buffer("anneal_fraction", torch.tensor([float(anneal_fraction)]))
-
-    def attnkit_set_step(self, step: int, total_steps: int) -> None:
-        self.ramp.fill_(anneal_ramp(step, total_steps, float(self.anneal_fraction)))
+        self._register_schedule(layer_idx, anneal_fraction)
 
     def full_lambda(self) -> torch.Tensor:
         lam1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1))
