@@ -188,8 +188,6 @@ def run_case(model, info: dict, context: int, batch: int, args, timer, bandwidth
             with PeakMemory(device) as peak:
                 runs.append(measure_once(model, ids, args.decode_tokens, timer, bandwidth, args.prefill_chunk))
             peaks.append(peak.peak / 2**20)
-            del ids
-            gc.collect()
     except Exception as exc:  # noqa: BLE001 - only OOM is swallowed, re-raised otherwise
         timer.enabled = False
         if not is_oom(exc):
@@ -303,14 +301,23 @@ def bench_model(spec: str, path: Path, raw: dict, attn: str, args, device, dtype
 
 
 def main(args) -> int:
+    """The `attnkit bench` handler (threads restored afterwards, so in-process callers are unaffected)."""
+    threads = torch.get_num_threads()
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    try:
+        return _main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(args) -> int:
     from tqdm.auto import tqdm
 
     from attnkit import __version__
     from attnkit.evaluation.bench_report import compare, format_table, write_plot
     from attnkit.evaluation.membw import copy_bandwidth
 
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
     if args.repeats < 1 or args.decode_tokens < 1:
         raise AttnkitError("--repeats and --decode-tokens must be at least 1")
     if any(b <= 0 for b in args.batch):
