@@ -120,6 +120,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--baseline-attn", choices=["absorbed", "expanded", "auto"], default=None,
                    help="MLA attention path of --baseline (default: same as --attn)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="time with the wall clock, or process CPU time (steadier on a shared CPU; CUDA: always wall)")
     p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
                    help="prefill in chunks of N tokens through the cache (default 0: the whole prompt at once)")
     p.add_argument("--out", default=None, metavar="FILE", help="write results JSON (and a PNG beside it)")

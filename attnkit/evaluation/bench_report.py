@@ -57,6 +57,7 @@ def format_table(result: dict) -> str:
         lines.append(f"{info_label}: {info['name']} — {info['attn_path']}; KV cache {kv} B/token ({info['dtype']})")
     bw = result["machine"]["memory_bandwidth"]["bytes_per_s"]
     lines.append(f"device {result['machine']['device']}, {result['machine']['threads']} threads, "
+                 f"{result.get('clock', 'wall')} clock, "
                  f"copy bandwidth {bw / 1e9:.1f} GB/s; ± is half the min-max spread over repeats")
     by_label = {lab: {_key(r): r for r in models[lab]["results"]} for lab in labels}
     speed = {_key(c): c["decode_speedup"] for c in result.get("comparison", [])}

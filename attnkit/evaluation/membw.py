@@ -18,10 +18,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(device: str | torch.device = "cpu", megabytes: int = 256, repeats: int = 5) -> dict:
+def copy_bandwidth(device: str | torch.device = "cpu", megabytes: int = 256, repeats: int = 5,
+                   clock=time.perf_counter) -> dict:
     """Median read+write bytes/s of `dst.copy_(src)` over `repeats` copies of `megabytes` MB (fp32).
 
-    The buffer is far larger than any cache level, so this is DRAM (or HBM) bandwidth.
+    The buffer is far larger than any cache level, so this is DRAM (or HBM) bandwidth. `clock` may be
+    `time.process_time` to measure per CPU-second on a shared machine (as `attnkit bench --clock cpu`).
     """
     device = torch.device(device)
     n = megabytes * (1 << 20) // 4
@@ -31,10 +33,10 @@ def copy_bandwidth(device: str | torch.device = "cpu", megabytes: int = 256, rep
     times = []
     for _ in range(repeats):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         dst.copy_(src)
         _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     moved = 2 * n * 4
     rates = sorted(moved / t for t in times)
     return {
