@@ -34,6 +34,8 @@ ARMS = ("base", "continued", "lora", "dex", "diff")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="reference")
+    p.add_argument("--from-run", default=None, metavar="RUN_DIR",
+                   help="instead of --model: the current checkpoint.pt of an `attnkit pretrain` run (e.g. runs/reference)")
     p.add_argument("--arms", default="base,continued,lora,dex")
     p.add_argument("--tokens", type=int, default=49152, help="adaptation tokens per arm")
     p.add_argument("--seq-len", type=int, default=256)
@@ -180,12 +182,16 @@ def main(argv=None) -> dict:
     from attnkit.data import pack_tokens
     from attnkit.io.resolve import resolve_model
 
-    source = resolve_model(args.model)
+    scratch_root = tempfile.TemporaryDirectory()
+    if args.from_run:
+        source, origin = export_run_checkpoint(Path(args.from_run), Path(scratch_root.name) / "source")
+    else:
+        source, origin = resolve_model(args.model), {"model": args.model}
     tok = AutoTokenizer.from_pretrained(source)
     # the adaptation rows: a different seed from the DEX calibration rows
     rows = pack_tokens(tok, args.data, "train", args.seq_len, args.tokens, seed=args.seed + 1)
     val = pack_tokens(tok, args.data, "validation", args.seq_len, args.eval_rows * args.seq_len, seed=args.seed)
-    results: dict = {"settings": vars(args), "source": str(source), "train_tokens": int(rows.numel()), "arms": {}}
+    results: dict = {"settings": vars(args), "source": origin, "train_tokens": int(rows.numel()), "arms": {}}
     heads = None
     with tempfile.TemporaryDirectory() as scratch:
         for arm in [a for a in args.arms.split(",") if a]:
@@ -205,8 +211,32 @@ def main(argv=None) -> dict:
             print(f"{arm}: ppl {entry['ppl']:.3f}  entropy(sel) {entry['entropy_selected_heads']:.4f}  "
                   f"max|h| {entry['max_abs_hidden']:.1f}  max|attn| {entry['max_abs_attn_output']:.2f}")
     results["dex_selected_heads"] = heads
+    scratch_root.cleanup()
     write(results, Path(args.out))
     return results
+
+
+def export_run_checkpoint(run_dir: Path, out: Path) -> tuple[Path, dict]:
+    """An HF folder from a pretrain run's latest checkpoint (the reference model before it is exported)."""
+    from dataclasses import fields
+
+    from transformers import AutoTokenizer
+
+    from attnkit.recipes.pretrain import ModelSpec, build_model
+
+    recipe = json.loads((run_dir / "recipe.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
+    names = {f.name for f in fields(ModelSpec)}
+    model = build_model(ModelSpec(**{k: v for k, v in recipe["model"].items() if k in names}), tokenizer)
+    ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False, map_location="cpu")
+    model.load_state_dict(ckpt["model"])
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    step = int(ckpt["step"])
+    tokens = step * recipe["train"]["batch_size"] * recipe["train"]["seq_len"]
+    val = [e["val_loss"] for e in ckpt["log"] if "val_loss" in e]
+    return out, {"run": str(run_dir), "step": step, "tokens_seen": tokens, "planned_tokens": recipe["train"]["tokens"],
+                 "last_val_loss": val[-1] if val else None}
 
 
 def selected_heads(model, scratch: Path, args, source: Path) -> list[list[int]]:
