@@ -2,7 +2,8 @@
 
 For each (new tokens Q, cached tokens before the call), one DeepSeek-V3 attention layer of the converted
 reference shape (benchmarks/reference_shapes.py) runs `absorbed` and `expanded`; the table shows both
-times, the faster one, and what `auto` (fewest multiply-adds) picks.
+times (process CPU time: steady on a shared machine; use --threads 1), the faster one, and what `auto`
+(fewest multiply-adds) picks.
 
     python benchmarks/prefill_rule.py [--threads 1] [--kv-lora-rank 61] [--rope-dim 16] [--repeats 3]
 """
@@ -22,16 +23,16 @@ CASES = [(1, 1024), (1, 16384), (16, 4096), (64, 4096), (256, 0), (1024, 0), (40
 
 
 def time_call(attn, mode: str, hidden, rope, prefix: torch.Tensor, repeats: int) -> float:
-    """Median seconds of one attention call on Q new tokens after `prefix` cached latents."""
+    """Median CPU seconds of one attention call on Q new tokens after `prefix` cached latents."""
     attn.attnkit_mode = mode
     times = []
     for _ in range(repeats):
         cache = DynamicCache()
         if prefix.shape[2]:  # a filled latent layer, as during generation (not timed)
             latent_layer(cache, 0).update(prefix[..., : attn.kv_lora_rank], prefix[..., attn.kv_lora_rank :])
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         attn(hidden, rope, None, cache=cache)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return sorted(times)[len(times) // 2]
 
 

@@ -7,8 +7,8 @@ Absorption (DeepSeek-V2 §2.1.2) never materialises per-head K/V:
     score_h(t) = q_nope_h · (W_UK_h c_t) + q_pe_h · k_pe_t = (W_UK_hᵀ q_nope_h) · c_t + q_pe_h · k_pe_t
     out_h      = W_UV_h · Σ_t p_h(t) c_t
 
-so attention is MQA with one shared "head" [c | k_pe] of width r + d_r (values: c, width r); the H query
-heads fold into the rows of one matmul, and the cache is read once for scores and once for values.
+so attention is MQA with one shared "head" [c | k_pe] of width r + d_r (values: c, width r). When decoding,
+the H query heads fold into the rows of one SDPA call, so each layer streams its cache once per step.
 
 `enable_absorbed(model)` swaps the class of every `DeepseekV3Attention` (weights, names and state dict
 unchanged); `model.generate` then uses it with a standard `DynamicCache` whose layers become
