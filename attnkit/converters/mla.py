@@ -78,10 +78,10 @@ class MLAParams:
     rope_scaling: float = 1.0  # attention_scaling the target applies to cos/sin
 
 
-def augmented(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """[W | b] in fp64 so that W x + b = [W | b] [x; 1]."""
-    bias = torch.zeros(w.shape[0], 1, dtype=torch.float64) if b is None else b.double()[:, None]
-    return torch.cat([w.double(), bias], dim=1)
+def augmented(w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """[W | b] (fp64 by default) so that W x + b = [W | b] [x; 1]."""
+    bias = torch.zeros(w.shape[0], 1, dtype=dtype) if b is None else b.to(dtype)[:, None]
+    return torch.cat([w.to(dtype), bias], dim=1)
 
 
 def _heads(w_aug: torch.Tensor, heads: int, d: int) -> torch.Tensor:
@@ -178,59 +178,104 @@ class RopeSplit:
     q_pe: torch.Tensor  # [G, d_r, d]: q_pe of a head in group g = q_pe[g] @ q_h
 
 
-def split_keys(aw: AttnWeights, plan: RopePlan, shape: Shape) -> RopeSplit:
+def split_keys(aw: AttnWeights, plan: RopePlan, shape: Shape, dtype: torch.dtype = torch.float64) -> RopeSplit:
     G, d, half = shape.G, shape.d, shape.d // 2
-    k = _heads(augmented(aw.wk, aw.bk), G, d)
-    rotated = torch.einsum("ijg,gcia->jica", plan.rot, k.view(G, 2, half, -1))  # [G(j), d/2, 2, D+1]
+    k = _heads(augmented(aw.wk, aw.bk, dtype), G, d)
+    rotated = torch.einsum("ijg,gcia->jica", plan.rot.to(dtype), k.view(G, 2, half, -1))  # [G(j), d/2, 2, D+1]
     kept = torch.zeros(G, half, dtype=torch.bool)
     kept[plan.kept_j, plan.kept_i] = True
     pe = torch.cat([rotated[plan.kept_j, plan.kept_i, c] for c in (0, 1)])  # [d_r, D+1]
     nope_idx = torch.nonzero(~kept)  # (j, i) pairs, each gives two rows (c = 0, 1)
     nope = torch.cat([rotated[nope_idx[:, 0], nope_idx[:, 1], c] for c in (0, 1)])  # [n, D+1]
     n_pairs = nope_idx.shape[0]
-    back = torch.zeros(G, d, 2 * n_pairs, dtype=torch.float64)
-    q_pe = torch.zeros(G, plan.d_r, d, dtype=torch.float64)
+    back = torch.zeros(G, d, 2 * n_pairs, dtype=dtype)
+    q_pe = torch.zeros(G, plan.d_r, d, dtype=dtype)
     s_half = plan.d_r // 2
     for c in (0, 1):
         for row, (j, i) in enumerate(nope_idx.tolist()):
-            back[:, i + c * half, row + c * n_pairs] = plan.rot[i, j, :]
+            back[:, i + c * half, row + c * n_pairs] = plan.rot[i, j, :].to(dtype)
         for s, (j, i) in enumerate(zip(plan.kept_j.tolist(), plan.kept_i.tolist())):
-            q_pe[:, s + c * s_half, i + c * half] = plan.rot[i, j, :]
+            q_pe[:, s + c * s_half, i + c * half] = plan.rot[i, j, :].to(dtype)
     return RopeSplit(pe=pe, nope=nope, back=back, q_pe=q_pe)
 
 
-def balance_factor(split: RopeSplit, aw: AttnWeights, moment: torch.Tensor) -> float:
-    """beta with E|beta K_nope|^2 = E|V|^2, so neither dominates the joint PCA."""
+def balance_factor(split: RopeSplit, aw: AttnWeights, moment: torch.Tensor, metrics=None) -> float:  # fp64
+    """beta with E|beta K_nope|^2 = E|V|^2 (in metric units if given), so neither dominates the PCA."""
     if split.nope.shape[0] == 0:
         return 1.0
-    k_e = _pair_energy(split.nope, moment).sum()
-    v_e = _pair_energy(augmented(aw.wv, aw.bv), moment).sum()
+    k_rows, v_rows = split.nope, augmented(aw.wv, aw.bv)
+    if metrics is not None:
+        k_rows, v_rows = metrics[0] @ k_rows, metrics[2] @ v_rows
+    k_e = _pair_energy(k_rows, moment).sum()
+    v_e = _pair_energy(v_rows, moment).sum()
     return float((v_e / k_e.clamp_min(1e-30)).sqrt()) if k_e > 0 else 1.0
+
+
+def _sqrt_pair(m: torch.Tensor, floor: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M^1/2, M^-1/2) of a symmetric PSD matrix, eigenvalues floored at floor * max."""
+    evals, evecs = torch.linalg.eigh(m.double())
+    evals = evals.clamp_min(floor * float(evals.max().clamp_min(1e-300)))
+    return (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
+
+
+def attention_metrics(aw: AttnWeights, split: RopeSplit, shape: Shape, moment: torch.Tensor):
+    """(A_k, A_k^-1, A_v, A_v^-1): square roots of the metrics under which latent errors matter.
+
+    K-NoPE: a key error dk changes head h's score by q_h . back[g] dk, so its metric is
+    sum_h back_g^T E[q_h q_h^T] back_g. V: a value error dv changes the output by Wo_h dv, metric
+    sum_h Wo_h^T Wo_h per group (cross-head terms ignored). Exact transforms: no error by themselves.
+    """
+    H, G, d = shape.H, shape.G, shape.d
+    q = _heads(augmented(aw.wq, aw.bq), H, d)
+    qq = torch.einsum("hda,ab,heb->hde", q, moment, q)  # [H, d, d]
+    back = split.back[shape.group]  # [H, d, n]
+    m_k = torch.einsum("hdn,hde,hem->nm", back, qq, back)
+    wo = aw.wo.double().view(-1, H, d)  # [D, H, d]
+    oo = torch.einsum("xhd,xhe->hde", wo, wo)  # [H, d, d]
+    m_v = torch.zeros(G * d, G * d, dtype=torch.float64)
+    for h, g in enumerate(shape.group.tolist()):
+        m_v[g * d:(g + 1) * d, g * d:(g + 1) * d] += oo[h]
+    return (*_sqrt_pair(m_k), *_sqrt_pair(m_v)) if m_k.numel() else (m_k, m_k, *_sqrt_pair(m_v))
 
 
 def build_stage(aw: AttnWeights, plan: RopePlan, shape: Shape, moment: torch.Tensor, *, scale_src: float,
                 scale_tgt: float, rope_src: float = 1.0, rope_tgt: float = 1.0, beta: float = 1.0,
-                rank: int | None = None) -> MLAParams:
+                rank: int | None = None, dtype: torch.dtype = torch.float64, metrics=None) -> MLAParams:
     """MLA parameters for one layer: rope plan applied, K-NoPE scaled by beta, latent of `rank`
-    (None = full, no factorisation) chosen by activation-aware PCA under `moment`."""
+    (None = full, no factorisation) chosen by activation-aware PCA under `moment`. `dtype` is the
+    working precision (fp32 suffices for the exact rewrite, whose maps are 0/1)."""
     H, G, d, D = shape.H, shape.G, shape.d, shape.D
-    split = split_keys(aw, plan, shape)
+    split = split_keys(aw, plan, shape, dtype)
     n, d_r = split.nope.shape[0], plan.d_r
-    q = _heads(augmented(aw.wq, aw.bq), H, d)  # [H, d, D+1]
+    q = _heads(augmented(aw.wq, aw.bq, dtype), H, d)  # [H, d, D+1]
     g_of = shape.group
-    q_pe = torch.einsum("hrd,hda->hra", split.q_pe[g_of], q)  # [H, d_r, D+1]
     # Source scores carry rope_src^2 on every dim; the target's RoPE part carries rope_tgt^2.
-    q_all = torch.cat([q * (scale_src / scale_tgt) * rope_src**2,
-                       q_pe * (scale_src / scale_tgt) * (rope_src / rope_tgt) ** 2], dim=1)  # [H, d+d_r, D+1]
-    latent = torch.cat([beta * split.nope, augmented(aw.wv, aw.bv)])  # [n + G d, D+1]
-    # per head map latent -> [k_nope d | v d]
-    up = torch.zeros(H, 2 * d, n + G * d, dtype=torch.float64)
-    up[:, :d, :n] = split.back[g_of] / beta
+    c_nope = (scale_src / scale_tgt) * rope_src**2
+    c_pe = (scale_src / scale_tgt) * (rope_src / rope_tgt) ** 2
+    q_w = torch.empty(H, d + d_r, D, dtype=dtype)  # filled head by head: no [H, d + d_r, D] temporaries
+    q_b = torch.empty(H, d + d_r, dtype=dtype)
     for h, g in enumerate(g_of.tolist()):
-        up[h, d:, n + g * d: n + (g + 1) * d] = torch.eye(d, dtype=torch.float64)
+        pe = split.q_pe[g] @ q[h]  # [d_r, D+1]
+        q_w[h, :d], q_b[h, :d] = q[h, :, :D] * c_nope, q[h, :, D] * c_nope
+        q_w[h, d:], q_b[h, d:] = pe[:, :D] * c_pe, pe[:, D] * c_pe
+    k_rows, v_rows = split.nope, augmented(aw.wv, aw.bv, dtype)
+    k_inv = v_inv = None
+    if metrics is not None:  # latent in metric units: PCA then minimises the attention-relevant error
+        a_k, k_inv, a_v, v_inv = (m.to(dtype) for m in metrics)
+        k_rows, v_rows = a_k @ k_rows, a_v @ v_rows
+    latent = torch.cat([beta * k_rows, v_rows])  # [n + G d, D+1]
+    # per head map latent -> [k_nope d | v d]
+    up = torch.zeros(H, 2 * d, n + G * d, dtype=dtype)
+    up[:, :d, :n] = (split.back[g_of] if k_inv is None else split.back[g_of] @ k_inv) / beta
+    for h, g in enumerate(g_of.tolist()):
+        if v_inv is None:
+            up[h, d:, n + g * d: n + (g + 1) * d] = torch.eye(d, dtype=dtype)
+        else:
+            up[h, d:, n:] = v_inv[g * d:(g + 1) * d]
     lat_w, lat_b = latent[:, :D], latent[:, D]
     kvb_w, kvb_b = up, None
     if rank is not None:
+        moment = moment.to(dtype)
         mean = moment[:D, D] / moment[D, D]
         cov = moment[:D, :D] / moment[D, D] - torch.outer(mean, mean)
         basis = top_eigvecs(lat_w @ cov @ lat_w.T, rank)  # [n + G d, rank]
@@ -238,9 +283,9 @@ def build_stage(aw: AttnWeights, plan: RopePlan, shape: Shape, moment: torch.Ten
         lat_w, lat_b = basis.T @ lat_w, -(basis.T @ lat_w @ mean)
         kvb_w = up @ basis
     return MLAParams(
-        q_w=q_all[..., :D], q_b=None if aw.bq is None else q_all[..., D],
+        q_w=q_w, q_b=None if aw.bq is None else q_b,
         lat_w=lat_w, lat_b=lat_b, pe_w=split.pe[:, :D], pe_b=split.pe[:, D],
-        kvb_w=kvb_w, kvb_b=kvb_b, o_w=aw.wo.double(), o_b=None if aw.bo is None else aw.bo.double(),
+        kvb_w=kvb_w, kvb_b=kvb_b, o_w=aw.wo.to(dtype), o_b=None if aw.bo is None else aw.bo.to(dtype),
         inv_freq=plan.inv_freq, scale=scale_tgt, rope_scaling=rope_tgt,
     )
 
@@ -261,8 +306,9 @@ def mla_attention(p: MLAParams, x: torch.Tensor, positions: torch.Tensor) -> tor
     B, T, _ = x.shape
     H, dq, _ = p.q_w.shape
     d = p.o_w.shape[1] // H
-    q = _linear(x, p.q_w.reshape(H * dq, -1), None if p.q_b is None else p.q_b.reshape(-1))
-    q = q.view(B, T, H, dq).transpose(1, 2)  # [B, H, T, d+d_r]
+    q = torch.einsum("btx,hex->bhte", x, p.q_w.to(x.dtype))  # [B, H, T, d+d_r]
+    if p.q_b is not None:
+        q = q + p.q_b.to(x.dtype)[None, :, None, :]
     c = _linear(x, p.lat_w, p.lat_b)  # [B, T, m]
     kv = torch.einsum("btm,hem->bhte", c, p.kvb_w.to(x.dtype))  # [B, H, T, 2d]
     if p.kvb_b is not None:

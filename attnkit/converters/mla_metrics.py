@@ -84,9 +84,12 @@ def logits_metrics(source: torch.Tensor, others: dict[str, torch.Tensor], target
     runs = {k: _Running.new(n) for k in others}
     for lo, w in head_chunks():
         w = w.float()
-        a = source.float() @ w.T
-        for k, h in others.items():
-            _update(runs[k], a, h.float() @ w.T, targets, lo)
+        step = max(64, (1 << 21) // max(1, n))  # bound the [tokens, rows] fp64 temporaries to ~16 MB
+        for sub in range(0, w.shape[0], step):
+            ws = w[sub : sub + step]
+            a = source.float() @ ws.T
+            for k, h in others.items():
+                _update(runs[k], a, h.float() @ ws.T, targets, lo + sub)
     results, src_ppl = {}, None
     for k, r in runs.items():
         lse_a, lse_b = r.m_a + r.z_a.log(), r.m_b + r.z_b.log()

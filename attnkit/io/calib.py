@@ -81,7 +81,7 @@ def tensor_rows(ckpt, name: str) -> int:
         return handle.get_slice(name).get_shape()[0]
 
 
-def embed_rows(ckpt, name: str, ids: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+def embed_rows(ckpt, name: str, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """Embedding lookup [*ids.shape, D] (fp32) reading the table a chunk of rows at a time."""
     path = ckpt.folder / ckpt.weight_map[name]
     out = None

@@ -9,6 +9,7 @@ through the source layer to get the next layer's inputs. Only one layer is ever 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import shutil
@@ -31,13 +32,14 @@ from attnkit.io.calib import Moment, calibration_tokens, embed_rows, map_rows, r
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.mla_report import build_report, format_report
 from attnkit.io.mla_settings import Settings, resolve_settings
+from attnkit.io.stream_copy import merge_index, stream_tensors
 from attnkit.io.resolve import check_causal_lm, resolve_model
 
 STAGES = ("exact", "rope", "balance", "low-rank", "native")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-ROW_BATCH = 4
+ROW_BATCH = 1
 
 
 @dataclass
@@ -51,8 +53,17 @@ class Source:
     prefix: str  # "model.layers."
 
 
+def _return_freed_memory() -> None:
+    """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+    except (OSError, AttributeError):
+        pass
+
+
 def convert(args: argparse.Namespace) -> int:
     started = time.time()
+    _return_freed_memory()
     path = resolve_model(args.model)
     config = check_causal_lm(path)
     family = describe(config)
@@ -111,14 +122,29 @@ def _source_layer(src: Source, layer: int, device: str) -> torch.nn.Module:
     """The source decoder layer (transformers' own class) with its weights, fp32 on `device`."""
     prefix = f"{src.prefix}{layer}."
     names = [n for n in src.ckpt.keys() if n.startswith(prefix)]
-    state = {n[len(prefix):]: src.ckpt.get(n, dtype=torch.float32, device=device) for n in names}
+    # MLP weights stay in the source dtype (upcast per call): they are most of a layer's bytes
+    state = {n[len(prefix):]: src.ckpt.get(n, dtype=None if ".mlp." in n else torch.float32, device=device) for n in names}
     with torch.device("meta"):
         module = src.family.decoder_layer_class()(src.hf_config, layer)
     try:
         module.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
         raise AttnkitError(f"layer {layer} of {src.path} does not match its config: {str(exc).splitlines()[0]}") from None
+    for name, child in list(module.mlp.named_children()):
+        if isinstance(child, torch.nn.Linear) and child.weight.dtype != torch.float32:
+            setattr(module.mlp, name, _Fp32Linear(child))
     return module.eval()
+
+
+class _Fp32Linear(torch.nn.Module):
+    """A Linear whose weight stays in its (16-bit) storage dtype and is upcast to fp32 per call."""
+
+    def __init__(self, lin: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 def attn_weights(module: torch.nn.Module, family: Family, shape: mla.Shape) -> mla.AttnWeights:
@@ -156,7 +182,10 @@ def _run_stage_layer(module, family, attend, h):
 
 
 def _rope_counts(src: Source, s: Settings, calib: torch.Tensor, src_inv: torch.Tensor, src_pe) -> torch.Tensor:
-    """Pre-pass (exact frequencies): every layer's component scores -> slots per frequency."""
+    """Pre-pass (exact frequencies): every layer's component scores -> slots per frequency.
+
+    Scores only rank components, so a quarter of the calibration rows (at least 4) is enough."""
+    calib = calib[: max(4, calib.shape[0] // 4)]
     h = embed_rows(src.ckpt, src.family.embed + ".weight", calib).to(s.device)
     scores = []
     for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rope scores", unit="layer"):
@@ -208,7 +237,6 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
         scale_tgt = DeepseekV3Attention(tgt_cfg, 0).scaling
     writer = ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes)
     embed_name = fam.embed + ".weight"
-    writer.add("model.embed_tokens.weight", src.ckpt.get(embed_name, dtype=s.out_dtype))
     h_cal = embed_rows(src.ckpt, embed_name, calib).to(dev)
     h0 = embed_rows(src.ckpt, embed_name, held_out).to(dev)
     streams = {"source": h0, **{k: h0.clone() for k in STAGES}}
@@ -221,32 +249,44 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
         moment = _moment(module, fam, h_cal, shape)
         mom, aw = moment.value, _cpu_weights(module, src)
         plan = mla.plan_rope(aw, mom, shape, s.rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt_inv, counts)
+        split = mla.split_keys(aw, plan, shape)
+        metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
+        beta = mla.balance_factor(split, aw, mom, metrics)
+        del split
         full = mla.identity_plan(shape, src_inv)
-        exact_p = mla.build_stage(aw, full, shape, mom, **{**kw, "scale_tgt": (shape.d + full.d_r) ** -0.5, "rope_tgt": src_att})
-        rope_p = mla.build_stage(aw, plan, shape, mom, **kw)
-        beta = mla.balance_factor(mla.split_keys(aw, plan, shape), aw, mom)
-        bal_p = mla.build_stage(aw, plan, shape, mom, beta=beta, **kw)
-        low_p = mla.build_stage(aw, plan, shape, mom, beta=beta, rank=s.kv_lora_rank - 1, **kw)
-        low_fn, lat = _mla_fn(low_p, positions, dev)
-        z_max = float(map_rows(lambda b: (norm1(b) @ lat.lat_w.T + lat.lat_b).norm(dim=-1).amax()[None], h_cal, ROW_BATCH).max())
-        tensors = native_attention_tensors(low_p, shape, constant_for(z_max, s.out_dtype),
-                                           constant_for(moment.max_norm, s.out_dtype) if q_lora else None)
-        native = DeepseekV3Attention(tgt_cfg, layer).to(dev)
-        native.load_state_dict({k: v.to(s.out_dtype).float() for k, v in tensors.items()}, strict=True)
-        attends = {
-            "exact": _mla_fn(exact_p, positions, dev)[0], "rope": _mla_fn(rope_p, positions, dev)[0],
-            "balance": _mla_fn(bal_p, positions, dev)[0], "low-rank": low_fn,
-            "native": lambda x: native(x, position_embeddings=tgt_pe, attention_mask=None)[0],
+        # each stage is built, measured and dropped in turn: at most one stage's weights are resident
+        builders = {
+            "exact": lambda: mla.build_stage(aw, full, shape, mom, dtype=torch.float32, **{
+                **kw, "scale_tgt": (shape.d + full.d_r) ** -0.5, "rope_tgt": src_att}),
+            "rope": lambda: mla.build_stage(aw, plan, shape, mom, **kw),
+            "balance": lambda: mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, **kw),
+            "low-rank": lambda: mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics,
+                                                rank=s.kv_lora_rank - 1, **kw),
         }
         layer_errs = {}
         with torch.no_grad():
             x_src = norm1(streams["source"])
             ref = module.self_attn(hidden_states=x_src, position_embeddings=src_pe, attention_mask=None)[0]
             for k in STAGES:
-                e = relative_errors(attends[k](x_src), ref)
+                if k == "native":
+                    tensors = native_attention_tensors(low_p, shape, constant_for(z_max, s.out_dtype),
+                                                       constant_for(moment.max_norm, s.out_dtype) if q_lora else None)
+                    native = DeepseekV3Attention(tgt_cfg, layer).to(dev)
+                    native.load_state_dict({n: v.to(s.out_dtype).float() for n, v in tensors.items()}, strict=True)
+                    attend = lambda x: native(x, position_embeddings=tgt_pe, attention_mask=None)[0]  # noqa: E731
+                else:
+                    params = builders[k]()
+                    attend, p32 = _mla_fn(params, positions, dev)
+                    if k == "low-rank":
+                        low_p = params
+                        z_max = float(map_rows(lambda b: (norm1(b) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax()[None],
+                                               h_cal, ROW_BATCH).max())
+                    del params
+                e = relative_errors(attend(x_src), ref)
                 attn_err[k].add(e)
                 layer_errs[k] = float(e.mean())
-                streams[k] = _run_stage_layer(module, fam, attends[k], streams[k])
+                streams[k] = _run_stage_layer(module, fam, attend, streams[k])
+                del attend
             run_src = lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe))  # noqa: E731
             streams["source"] = run_src(streams["source"])
             h_cal = map_rows(run_src, h_cal, ROW_BATCH)
@@ -254,14 +294,14 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
                           "frequency_index": plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs})
         for name, t in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
             writer.add(f"model.layers.{layer}.{name}", t.to(s.out_dtype))
-        del module, native, attends
+        del module, native, low_p, tensors
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
     writer.add("model.norm.weight", final_norm.to(s.out_dtype))
     tied = bool(src.config.get("tie_word_embeddings", False))
     head_name = embed_name if tied or fam.lm_head + ".weight" not in src.ckpt else fam.lm_head + ".weight"
-    if not tied:
-        writer.add("lm_head.weight", src.ckpt.get(head_name, dtype=s.out_dtype))
     writer.close()
+    big = [("model.embed_tokens.weight", embed_name)] + ([] if tied else [("lm_head.weight", head_name)])
+    merge_index(tmp, "model-embeddings.safetensors", stream_tensors(src.ckpt, big, tmp / "model-embeddings.safetensors", s.out_dtype))
     tgt_cfg.to_json_file(str(tmp / "config.json"))
     finals = {k: _final_hidden(src, h, final_norm) for k, h in streams.items()}
     targets = held_out[:, 1:].reshape(-1).to(dev)

@@ -21,6 +21,7 @@ class Settings:
     rope_dim: int
     rope_method: str
     rope_frequencies: str
+    objective: str
     calib: str
     calib_tokens: int
     eval_tokens: int
@@ -30,7 +31,7 @@ class Settings:
     dtype_name: str
     out_dtype: torch.dtype
     src_itemsize: int
-    max_shard_bytes: int = 1 << 30
+    max_shard_bytes: int = 1 << 27
 
     def public(self) -> dict:
         d = asdict(self)
@@ -74,6 +75,7 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, config: dict)
     out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
     return Settings(
         kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=args.rope_frequencies,
+        objective=getattr(args, "objective", None) or "kv",
         calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
         seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=NAMES.get(out_dtype, "float32"),
         out_dtype=out_dtype, src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),

@@ -1,0 +1,114 @@
+"""Peak memory and wall time of `attnkit convert --to mla` on a Llama-3.2-1B-shaped random model.
+
+    python benchmarks/convert_memory.py [--work /tmp/attnkit-mem] [--layers 16] [--calib-tokens 8192]
+
+The source checkpoint (sharded bf16 safetensors, tied embeddings, llama3 RoPE scaling) is built
+tensor by tensor, never whole. The conversion runs in a child process; its peak RSS comes from
+getrusage(RUSAGE_CHILDREN). The result (JSON) is printed and written beside --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA_32_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    bos_token_id=1, eos_token_id=2,
+)
+
+
+def build_source(folder: Path, layers: int) -> int:
+    """Write the random bf16 checkpoint shard by shard; returns its size in bytes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    from attnkit.data import iter_documents
+    from attnkit.io.checkpoint import ShardedWriter
+
+    cfg = LlamaConfig(**{**LLAMA_32_1B, "num_hidden_layers": layers})
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(folder)
+    D, I, H, G, d = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=gen) * std).to(torch.bfloat16)
+
+    writer = ShardedWriter(folder, max_shard_bytes=1 << 30)
+    writer.add("model.embed_tokens.weight", rnd(cfg.vocab_size, D))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj.weight": (H * d, D), "self_attn.k_proj.weight": (G * d, D),
+                  "self_attn.v_proj.weight": (G * d, D), "self_attn.o_proj.weight": (D, H * d),
+                  "mlp.gate_proj.weight": (I, D), "mlp.up_proj.weight": (I, D), "mlp.down_proj.weight": (D, I)}
+        for name, shape in shapes.items():
+            writer.add(p + name, rnd(*shape))
+        writer.add(p + "input_layernorm.weight", torch.ones(D, dtype=torch.bfloat16))
+        writer.add(p + "post_attention_layernorm.weight", torch.ones(D, dtype=torch.bfloat16))
+    writer.add("model.norm.weight", torch.ones(D, dtype=torch.bfloat16))
+    writer.close()
+    texts = [doc.text for _, doc in zip(range(300), iter_documents("python", "train"))]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=4096, special_tokens=["<unk>", "<s>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="/tmp/attnkit-mem")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--eval-tokens", type=int, default=1024)
+    ap.add_argument("--extra", default="", help="extra convert arguments, space-separated")
+    ap.add_argument("--keep", action="store_true", help="keep the source and output checkpoints")
+    args = ap.parse_args()
+    work = Path(args.work)
+    src, out = work / "src", work / "out"
+    if not (src / "config.json").is_file():
+        build_source(src, args.layers)
+    size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    base = [sys.executable, "-c", "import attnkit.io.mla_pipeline"]
+    t0 = time.time()
+    subprocess.run(base, check=True)
+    import_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    cmd = [sys.executable, "-m", "attnkit.cli", "convert", "--to", "mla", str(src), "-o", str(out),
+           "--calib-tokens", str(args.calib_tokens), "--eval-tokens", str(args.eval_tokens), *args.extra.split()]
+    t0 = time.time()
+    subprocess.run(cmd, check=True)
+    wall = time.time() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    result = {
+        "command": " ".join(cmd[1:]),
+        "source_bytes": size,
+        "peak_rss_bytes": peak,
+        "peak_rss_fraction_of_checkpoint": peak / size,
+        "import_only_rss_bytes": import_rss,
+        "wall_time_s": round(wall, 1),
+        "threads": torch.get_num_threads(),
+        "output_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+    }
+    print(json.dumps(result, indent=2))
+    (work / "convert_memory.json").write_text(json.dumps(result, indent=2))
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
