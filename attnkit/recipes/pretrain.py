@@ -32,12 +32,12 @@ class TokenizerSpec:
 
 @dataclass
 class ModelSpec:
-    hidden_size: int = 512
+    hidden_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 8
     num_key_value_heads: int = 2
     head_dim: int = 64
-    intermediate_size: int = 1024
+    intermediate_size: int = 768
     max_position_embeddings: int = 16384
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -60,6 +60,12 @@ class TrainSpec:
     save_every: int = 50
     device: str = "auto"
     threads: int = 0
+    long_seq_len: int = 1024       # the last `long_fraction` of steps trains on longer windows
+    long_fraction: float = 0.15    # (same tokens per step) so the model is usable at 1K context
+
+    @property
+    def long_start(self) -> int:
+        return self.steps - int(round(self.steps * self.long_fraction))
 
     @property
     def steps(self) -> int:
@@ -194,6 +200,13 @@ def train(recipe: PretrainRecipe) -> dict:
     epochs = math.ceil(needed / len(train_rows))
     order = torch.cat([torch.randperm(len(train_rows), generator=generator) for _ in range(epochs)])
 
+    # Rows are consecutive chunks of one packed stream, so k neighbouring rows form one long row.
+    k = max(1, t.long_seq_len // t.seq_len)
+    groups = len(train_rows) // k
+    long_rows = train_rows[: groups * k].reshape(groups, k * t.seq_len)  # [groups, k*seq_len]
+    long_order = torch.randperm(groups, generator=generator)
+    long_batch = max(1, t.batch_size // k)
+
     ckpt_path = run_dir / "checkpoint.pt"
     step, log = 0, []
     if ckpt_path.is_file():
@@ -209,8 +222,12 @@ def train(recipe: PretrainRecipe) -> dict:
     started, tokens_per_step = time.time(), t.batch_size * t.seq_len
     model.train()
     while step < t.steps:
-        idx = order[step * t.batch_size : (step + 1) * t.batch_size]
-        x = train_rows[idx].to(device)
+        if step < t.long_start:
+            x = train_rows[order[step * t.batch_size : (step + 1) * t.batch_size]]
+        else:
+            j = (step - t.long_start) * long_batch
+            x = long_rows[long_order[j % groups : j % groups + long_batch]]
+        x = x.to(device)
         with _autocast(device, t.autocast_bf16):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -238,6 +255,9 @@ def train(recipe: PretrainRecipe) -> dict:
     bar.close()
     (run_dir / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
     val_loss = evaluate_loss(model, val_rows, device)  # whole validation split, fp32
+    kv = len(val_rows) // k
+    val_long = val_rows[: kv * k].reshape(kv, k * t.seq_len)
+    val_loss_long = evaluate_loss(model, val_long, device, batch=4)
     summary = {
         "corpus": recipe.corpus,
         "train_tokens_available": int(train_rows.numel()),
@@ -246,6 +266,7 @@ def train(recipe: PretrainRecipe) -> dict:
         "validation_tokens": int(val_rows.numel()),
         "validation_loss": round(val_loss, 4),
         "validation_perplexity": round(math.exp(val_loss), 3),
+        f"validation_perplexity_{k * t.seq_len}": round(math.exp(val_loss_long), 3),
         "params": sum(p.numel() for p in model.parameters()),
         "device": str(device),
         "seconds": round(time.time() - started, 1),
@@ -285,10 +306,12 @@ attnkit can measure the quality a conversion keeps without downloading anything.
 * Corpus: `{recipe.corpus}` — the Python standard library's source files, split train/validation by a hash
   of each file's path (attnkit.data, {100 - 5} % / 5 %).
 * Training: {s['steps']} steps × {recipe.train.batch_size} × {recipe.train.seq_len} tokens = {s['tokens_seen']:,} tokens
-  ({s['train_tokens_available']:,} distinct training tokens), AdamW lr {recipe.train.lr:g} cosine, on {s['device']},
+  ({s['train_tokens_available']:,} distinct training tokens; the last {recipe.train.long_fraction:.0%} of steps
+  in {recipe.train.long_seq_len}-token windows), AdamW lr {recipe.train.lr:g} cosine, on {s['device']},
   {s['seconds'] / 60:.0f} minutes.
 * Validation (whole validation split, {s['validation_tokens']:,} tokens, {recipe.train.seq_len}-token windows):
-  loss {s['validation_loss']}, perplexity **{s['validation_perplexity']}**.
+  loss {s['validation_loss']}, perplexity **{s['validation_perplexity']}**; in
+  {recipe.train.long_seq_len}-token windows: perplexity {s[f"validation_perplexity_{recipe.train.long_seq_len}"]}.
 """
 
 
