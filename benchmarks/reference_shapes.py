@@ -1,7 +1,7 @@
 """Random-weight stand-ins with the shapes of the reference model and of its MLA conversion.
 
 Speed does not depend on weight values, so when no converted reference checkpoint exists these give the
-same timings: a GQA Llama shaped like `recipes/reference.yaml` and a dense DeepSeek-V3 with the layout
+same timings: a GQA Llama shaped like the bundled reference (or `recipes/reference.yaml`) and a dense DeepSeek-V3 with the layout
 `attnkit convert --to mla` writes (num_key_value_heads = H, qk_nope_head_dim = v_head_dim = head_dim,
 q_lora_rank null, first_k_dense_replace = layers).
 
@@ -16,11 +16,15 @@ import torch
 import yaml
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reference.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "reference.yaml"
+BUNDLED = ROOT / "attnkit" / "assets" / "reference" / "config.json"
 
 
 def reference_llama_config() -> LlamaConfig:
-    """The reference model's LlamaConfig, from its recipe (vocab as the tokenizer is trained to)."""
+    """The reference model's LlamaConfig: the bundled checkpoint's, else its recipe's."""
+    if BUNDLED.exists():
+        return LlamaConfig.from_pretrained(BUNDLED.parent)
     recipe = yaml.safe_load(RECIPE.read_text())
     return LlamaConfig(vocab_size=recipe["tokenizer"]["vocab_size"], **recipe["model"])
 
