@@ -68,7 +68,7 @@ def _task_manager(names: list[str], folder: Path):
     bundled.render(names, folder)
     # Indexing lm-eval's own ~15k task files takes minutes on a busy CPU: only when a name needs it.
     defaults = any(n not in bundled.BUNDLED for n in names)
-    manager = TaskManager(include_path=str(folder), include_defaults=defaults, verbosity="ERROR")
+    manager = TaskManager(include_path=str(folder), include_defaults=defaults)
     known = set(manager.all_tasks)
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -114,6 +114,8 @@ def evaluate_model(
 
     from attnkit.evaluation.kv import kv_cache_bytes_per_token
 
+    names = bundled.expand(tasks) if isinstance(tasks, str) else list(tasks)
+    bundled.check_names(names)  # before loading anything
     path = None
     if isinstance(model_or_path, (str, Path)):
         name = name or str(model_or_path)
@@ -122,7 +124,6 @@ def evaluate_model(
         model = model_or_path
         if tokenizer is None:
             raise AttnkitError("evaluate_model needs a tokenizer with an in-memory model")
-    names = bundled.expand(tasks) if isinstance(tasks, str) else list(tasks)
     with tempfile.TemporaryDirectory(prefix="attnkit-tasks-") as folder:
         manager = _task_manager(names, Path(folder))
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
@@ -207,6 +208,7 @@ def main(args: argparse.Namespace) -> int:
         if out.is_dir():
             raise AttnkitError(f"--out {out} is a folder; give a file name such as results.json")
     names = bundled.expand(args.tasks)
+    bundled.check_names(names)
     kwargs = dict(tasks=names, limit=args.limit, batch_size=args.batch_size, dtype=args.dtype, device=args.device)
     result: dict[str, Any] = {"schema": SCHEMA, "attnkit_version": __version__, "tasks": names, "limit": args.limit}
     models = {"model": evaluate_model(args.model, **kwargs)}

@@ -28,6 +28,13 @@ def expand(spec: str) -> list[str]:
     return names
 
 
+def check_names(names: list[str]) -> None:
+    """Refuse a misspelt attnkit task at once (other names are checked against lm-eval's index)."""
+    stray = [n for n in names if n.startswith("attnkit-") and n not in BUNDLED]
+    if stray:
+        raise AttnkitError(f"unknown task {stray[0]!r} (bundled: {', '.join(BUNDLED)}, attnkit-core)")
+
+
 def render(names: list[str], folder: Path) -> None:
     """Write the YAML of each bundled task in `names` into `folder`, data paths made absolute."""
     for name in names:
