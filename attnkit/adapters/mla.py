@@ -28,6 +28,9 @@ from attnkit.errors import AttnkitError
 MODES = ("auto", "absorbed", "expanded")
 # calls with at most this many new tokens fold the heads into query rows (decode, short chunks)
 FOLD_MAX_QUERY = 16
+# SDPA runs the absorbed prefill (one shared K/V head of width r + d_r, enable_gqa) ~10 % slower per
+# multiply-add than the expanded one on CPU: measured with `python benchmarks/prefill_rule.py --threads 1`
+ABSORBED_KERNEL_FACTOR = 1.1
 _BLOCK = 256  # latent cache capacity grows in blocks of this many tokens
 
 
@@ -174,9 +177,11 @@ def latent_attention(
     return out[..., :rank]
 
 
-def absorbed_cost(q_len: int, kv_len: int, heads: int, rank: int, rope: int, d_nope: int, d_v: int) -> int:
-    """Multiply-adds of one absorbed call: absorb the query, scores + values over the latent, un-absorb."""
-    return q_len * heads * rank * (d_nope + d_v) + 2 * q_len * kv_len * heads * (rank + rope)
+def absorbed_cost(q_len: int, kv_len: int, heads: int, rank: int, rope: int, d_nope: int, d_v: int) -> float:
+    """Multiply-adds of one absorbed call: absorb the query, scores + values over the latent, un-absorb
+    (the attention term weighted by the measured kernel factor when heads are not folded)."""
+    factor = 1.0 if q_len <= FOLD_MAX_QUERY else ABSORBED_KERNEL_FACTOR
+    return q_len * heads * rank * (d_nope + d_v) + factor * 2 * q_len * kv_len * heads * (rank + rope)
 
 
 def expanded_cost(q_len: int, kv_len: int, heads: int, rank: int, rope: int, d_nope: int, d_v: int) -> int:
