@@ -73,14 +73,18 @@ def _add_convert(sub) -> None:
     dex.add_argument("--heads-fraction", type=float, default=0.5, help="fraction of heads per layer that `auto` selects")
 
 
+def _add_recipe_args(p: argparse.ArgumentParser, example: str) -> None:
+    p.add_argument("--config", required=True, help=f"YAML recipe, e.g. {example}")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override recipe keys (dotted keys allowed)")
+
+
 def _add_finetune(sub) -> None:
     p = sub.add_parser(
         "finetune",
         help="heal a converted model (one process; use `accelerate launch -m attnkit.finetune` for several)",
         description="Fine-tune a converted model from a YAML recipe; `key=value` overrides follow the config.",
     )
-    p.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/heal-mla.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override recipe keys (dotted keys allowed)")
+    _add_recipe_args(p, "recipes/heal-mla.yaml")
 
 
 def _add_eval(sub) -> None:
@@ -145,8 +149,7 @@ def _add_pretrain(sub) -> None:
         help="train the bundled reference model (tokenizer + small GQA Llama) from a recipe",
         description="Train the reference model; resumable from the last checkpoint in its run folder.",
     )
-    p.add_argument("--config", required=True, help="YAML recipe, e.g. recipes/reference.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override recipe keys")
+    _add_recipe_args(p, "recipes/reference.yaml")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,13 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _handler(command: str):
-    module_name, func = HANDLERS[command].split(":")
+def load_handler(spec: str, label: str):
+    """Import "module:function" lazily; an attnkit module that is not there is a one-line error."""
+    module_name, func = spec.split(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("attnkit"):
-            raise AttnkitError(f"`attnkit {command}` is not available yet in this version") from None
+            raise AttnkitError(f"`{label}` is not available yet in this version") from None
         raise
     return getattr(module, func)
 
@@ -178,7 +182,7 @@ def _handler(command: str):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        result = _handler(args.command)(args)
+        result = load_handler(HANDLERS[args.command], f"attnkit {args.command}")(args)
     except AttnkitError as exc:
         print(f"attnkit: error: {exc}", file=sys.stderr)
         return 2

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 
-from attnkit.errors import AttnkitError
+from attnkit.cli import load_handler
 
 PIPELINES = {
     "mla": "attnkit.io.mla_pipeline:convert",
@@ -16,11 +15,4 @@ PIPELINES = {
 
 
 def main(args: argparse.Namespace) -> int:
-    module_name, func = PIPELINES[args.to].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith("attnkit"):
-            raise AttnkitError(f"`attnkit convert --to {args.to}` is not available yet in this version") from None
-        raise
-    return getattr(module, func)(args) or 0
+    return load_handler(PIPELINES[args.to], f"attnkit convert --to {args.to}")(args) or 0
