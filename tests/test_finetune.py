@@ -163,12 +163,13 @@ def test_new_params_heal_trains_only_patterns_and_reloads(tiny, tmp_path):
 def test_lora_merge_gives_plain_checkpoint(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    recipe = base_recipe(tmp_path, tiny["mla"], None, tiny["corpus"])
+    recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])  # teacher: quality reference only
     recipe["train"].update(
         trainable="lora", max_steps=3, lora={"r": 4, "target_modules": ["q_proj", "kv_b_proj"], "modules_to_save": ["kv_a_layernorm"]}
     )
     recipe["loss"] = {"ce_weight": 1.0, "kl_weight": 0.0}
-    train(write_recipe(tmp_path / "r.yaml", **recipe))
+    report = train(write_recipe(tmp_path / "r.yaml", **recipe))
+    assert report["eval_teacher"]["validation"]["loss"] > 0 and "kl" not in report["loss_curve"]
     out = tmp_path / "out"
     keys = set(load_file(str(out / "model.safetensors")))
     assert keys == set(load_file(str(tiny["mla"] / "model.safetensors")))  # no lora_A / modules_to_save copies

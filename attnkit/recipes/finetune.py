@@ -148,7 +148,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         raise AttnkitError("recipe key run_dir: must differ from output_dir")
     latest = state.open_run_dir(run_dir, recipe.fingerprint(), world, main_proc)
     tokenizer = load_tokenizer(student_path, trust)
-    teacher_name = teacher_spec(recipe, student_path) if recipe.loss.kl_weight > 0 else None
+    teacher_name = teacher_spec(recipe, student_path) if recipe.teacher else None  # also the retention reference
     teacher_path, teacher_config = check_teacher(teacher_name, tokenizer, config.get("vocab_size"))
     total_steps, rows_per_step = batches.plan_steps(recipe.data, recipe.train, world)
     rows = batches.load_train_rows(tokenizer, recipe.data, total_steps * rows_per_step)
@@ -212,6 +212,8 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
             )
             trainer_state["eval_teacher"] = {"validation": measure.reduce_loss(accelerator, total, count)}
         log.write({"event": "eval", "step": 0, **_flat(trainer_state["eval_before"])})
+    if recipe.loss.kl_weight == 0:
+        teacher = None  # named only as the quality reference; free it for training
     start = trainer_state["step"]
     data_iter = _started(accelerator.skip_first_batches(loader, start * t.grad_accum))
     if latest is not None:  # after the loader drew its seed, so the restored RNG continues exactly
