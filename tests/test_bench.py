@@ -109,3 +109,22 @@ def test_stats_and_bandwidth():
     assert s["spread"] == pytest.approx(9.0 / 2.5)
     bw = copy_bandwidth("cpu", megabytes=16, repeats=2)
     assert bw["bytes_per_s"] > 1e8
+
+
+def test_predicted_oom_on_cpu_is_recorded_without_running(models, tmp_path, monkeypatch):
+    class Tiny:
+        available = 1024
+
+    monkeypatch.setattr(bench.psutil, "virtual_memory", lambda: Tiny())
+    real, lengths = bench.measure_once, []
+
+    def spy(model, ids, *args, **kwargs):
+        lengths.append(ids.shape[1])
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure_once", spy)
+    rc, out = _run(models, tmp_path)
+    assert rc == 0
+    assert lengths == [16]  # the warm-up only
+    rows = json.loads(out.read_text())["models"]["model"]["results"]
+    assert [r["status"] for r in rows] == ["oom", "oom"] and "predicted" in rows[0]["error"]
