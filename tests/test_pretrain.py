@@ -79,11 +79,20 @@ def test_run_dir_of_another_recipe_is_refused(tmp_path, corpus):
         pretrain.train(_recipe(tmp_path, corpus, lr=0.5))
 
 
+def test_foreign_export_dir_is_refused_before_training(tmp_path, corpus):
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "mine.txt").write_text("keep me")
+    with pytest.raises(AttnkitError, match="not an earlier pretrain export"):
+        pretrain.train(_recipe(tmp_path, corpus))
+    assert (tmp_path / "export" / "mine.txt").read_text() == "keep me"
+    assert not (tmp_path / "run").exists()
+
+
 def test_recipe_errors_name_the_key(tmp_path, corpus):
     _recipe(tmp_path, corpus)
     with pytest.raises(AttnkitError, match="train.lrr"):
         load_recipe(tmp_path / "r.yaml", PretrainRecipe, ["train.lrr=1"])
     with pytest.raises(AttnkitError, match="train.batch_size"):
         load_recipe(tmp_path / "r.yaml", PretrainRecipe, ["train.batch_size=big"])
-    with pytest.raises(AttnkitError, match="not of the form"):
+    with pytest.raises(AttnkitError, match="is not KEY=VALUE"):
         load_recipe(tmp_path / "r.yaml", PretrainRecipe, ["train.lr"])

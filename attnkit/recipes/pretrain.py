@@ -120,6 +120,12 @@ def build_model(spec: ModelSpec, tokenizer):
     return LlamaForCausalLM(config)
 
 
+def _check_export_dir(folder: Path) -> None:
+    """Only an earlier `attnkit pretrain` export may be replaced (it carries training_summary.json)."""
+    if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not (folder / "training_summary.json").is_file())):
+        raise AttnkitError(f"export_dir {folder} exists and is not an earlier pretrain export; choose an empty folder")
+
+
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,6 +165,7 @@ def _autocast(device: torch.device, enabled: bool):
 
 def train(recipe: PretrainRecipe) -> dict:
     t = recipe.train
+    _check_export_dir(Path(recipe.export_dir))  # before, not after, half an hour of training
     run_dir = Path(recipe.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if t.threads:
