@@ -38,7 +38,8 @@ def run_point(model: str, out: Path, rank: int, rope: int, method: str, extra: l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?", help="MODEL (omit with --merge)")
+    ap.add_argument("--merge", default=None, help="comma-separated JSON files of earlier runs: plot them together")
     ap.add_argument("--fractions", default="0.25,0.3,0.5,0.75,1.0")
     ap.add_argument("--rope-share", type=float, default=0.25)
     ap.add_argument("--methods", default="rorope,partial")
@@ -46,6 +47,14 @@ def main() -> None:
     ap.add_argument("--out", default="docs/mla_quality.json")
     ap.add_argument("--plot", default="docs/mla_ppl_vs_cache.png")
     args = ap.parse_args()
+    if args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in args.merge.split(",")]
+        rows = [p for r in runs for p in r["points"]]
+        Path(args.out).write_text(json.dumps({"model": runs[0]["model"], "extra": runs[0]["extra"],
+                                              "rope_share": runs[0]["rope_share"], "points": rows}, indent=2))
+        plot(rows, args.plot, runs[0]["model"])
+        _table(rows)
+        return
     cfg = load_config(resolve_model(args.model))
     G = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -72,6 +81,10 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"model": args.model, "extra": args.extra, "rope_share": args.rope_share,
                                           "points": rows}, indent=2))
     plot(rows, args.plot, args.model)
+    _table(rows)
+
+
+def _table(rows: list[dict]) -> None:
     print(f"{'method':<8}{'cache %':>9}{'r':>6}{'d_r':>6}{'ppl x':>9}{'KL':>10}")
     for r in rows:
         print(f"{r['method']:<8}{100 * r['fraction']:>9.1f}{r['kv_lora_rank']:>6}{r['rope_dim']:>6}{r['ppl_ratio']:>9.3f}{r['kl']:>10.4f}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import json
 import shutil
 import time
@@ -36,7 +35,6 @@ from attnkit.io.stream_copy import merge_index, stream_tensors
 from attnkit.io.resolve import check_causal_lm, resolve_model
 
 STAGES = ("exact", "rope", "balance", "low-rank", "native")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 ROW_BATCH = 1
