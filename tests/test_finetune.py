@@ -261,3 +261,35 @@ def test_missing_tensorboard_degrades_with_a_note(tmp_path, monkeypatch):
     monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
     accelerator, note = make_accelerator(Recipe(model="m", output_dir=str(tmp_path / "o")))
     assert not accelerator.log_with and "pip install tensorboard" in note
+
+
+def test_constant_latent_channel_is_protected(tiny):
+    """The converter's constant latent channel (zero weight row, large bias) gets zero gradients."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from attnkit.recipes.trainable import apply_lora, protect_constant_channels
+
+    config = AutoConfig.from_pretrained(tiny["mla"])
+    config.attention_bias = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    attn = model.model.layers[0].self_attn
+    rank = config.kv_lora_rank
+    with torch.no_grad():
+        attn.kv_a_proj_with_mqa.weight[rank - 1].zero_()
+        attn.kv_a_proj_with_mqa.bias[rank - 1] = 1.0e5
+    assert protect_constant_channels(model) == 1
+    ids = torch.randint(0, config.vocab_size, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert attn.kv_b_proj.weight.grad[:, rank - 1].abs().max() == 0
+    assert attn.kv_b_proj.weight.grad[:, : rank - 1].abs().max() > 0
+    assert attn.kv_a_proj_with_mqa.weight.grad[rank - 1].abs().max() == 0
+    assert attn.kv_a_layernorm.weight.grad[rank - 1] == 0 and attn.kv_a_layernorm.weight.grad[0] != 0
+
+    lora = apply_lora(model, type("L", (), {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["kv_b_proj"], "modules_to_save": []})())
+    assert protect_constant_channels(lora) == 1
+    kv_b = lora.base_model.model.model.layers[0].self_attn.kv_b_proj
+    torch.nn.init.normal_(kv_b.lora_B["default"].weight)  # B starts at 0, which would hide A's gradient
+    lora(input_ids=ids, labels=ids).loss.backward()
+    lora_a = kv_b.lora_A["default"].weight
+    assert lora_a.grad[:, rank - 1].abs().max() == 0 and lora_a.grad[:, 0].abs().max() > 0

@@ -169,6 +169,9 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         model = trainable.apply_lora(model, recipe.train.lora)
     else:
         trainable.select_trainable(model, recipe.train.trainable, recipe.train.patterns)
+    protected = trainable.protect_constant_channels(model)
+    if protected:
+        notes.append(f"{protected} constant MLA latent channel(s) kept frozen (their gradients are zeroed)")
     trainable_desc = trainable.describe(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(

@@ -70,3 +70,55 @@ def describe(model: torch.nn.Module) -> str:
     total = sum(p.numel() for p in model.parameters())
     train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return f"{train:,} of {total:,} parameters ({100 * train / max(1, total):.2f} %)"
+
+
+def constant_latent_channels(attn: torch.nn.Module) -> list[int]:
+    """MLA latent channels that carry a constant (zero weight row, non-zero bias in kv_a_proj_with_mqa).
+
+    `attnkit convert --to mla` reserves such a channel so that `kv_a_layernorm` acts as a fixed
+    scale (SPEC §3 step 6); its activation is ~10⁵× the others.
+    """
+    proj, up = getattr(attn, "kv_a_proj_with_mqa", None), getattr(attn, "kv_b_proj", None)
+    if proj is None or up is None or getattr(proj, "bias", None) is None:
+        return []
+    base = getattr(up, "base_layer", up)  # PEFT-wrapped or plain Linear
+    rank = base.in_features
+    weight = getattr(proj, "base_layer", proj).weight[:rank]  # [r, D]
+    bias = getattr(proj, "base_layer", proj).bias[:rank]
+    return [c for c in range(rank) if bool(weight[c].eq(0).all()) and float(bias[c]) != 0.0]
+
+
+def protect_constant_channels(model: torch.nn.Module) -> int:
+    """Zero the gradients that touch a constant latent channel; returns how many channels were protected.
+
+    Adam moves every weight by ~lr whatever its gradient's scale, so a kv_b_proj column that reads
+    a 10⁵-sized constant would shift every key/value by lr·10⁵ in one step and wreck the model.
+    With zero gradients Adam's moments stay zero and those entries never move.
+    """
+    count = 0
+    for module in model.modules():
+        channels = constant_latent_channels(module)
+        if not channels:
+            continue
+        count += len(channels)
+        idx = torch.tensor(channels)
+        proj, up, norm = module.kv_a_proj_with_mqa, module.kv_b_proj, getattr(module, "kv_a_layernorm", None)
+        _mask(getattr(proj, "base_layer", proj).weight, rows=idx)
+        _mask(getattr(proj, "base_layer", proj).bias, rows=idx)
+        _mask(getattr(up, "base_layer", up).weight, cols=idx)
+        for lora_a in getattr(up, "lora_A", {}).values() if hasattr(up, "lora_A") else []:
+            _mask(lora_a.weight, cols=idx)  # LoRA's down-projection reads the latent too
+        if norm is not None:
+            _mask(norm.weight, rows=idx)
+    return count
+
+
+def _mask(param: torch.nn.Parameter, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> None:
+    if not param.requires_grad:
+        return
+    keep = torch.ones_like(param, dtype=torch.bool)
+    if rows is not None:
+        keep[rows] = False
+    if cols is not None:
+        keep[:, cols] = False
+    param.register_hook(lambda grad, keep=keep: grad * keep.to(grad.device))
