@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/dex_adapt.json")
+    p.add_argument("--render", default=None, metavar="JSON", help="only print the table and redraw the plot of a results file")
     return p.parse_args(argv)
 
 
@@ -175,6 +176,10 @@ def unwrap(model):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.render:  # table + plot again from a results file
+        results = json.loads(Path(args.render).read_text())
+        write(results, Path(args.render))
+        return results
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -208,6 +213,9 @@ def main(argv=None) -> dict:
                      "train_seconds": round(time.time() - started, 1), **held_out(model, val, heads)}
             entry["lm_eval"] = lm_eval_metrics(model, tok, args.eval_limit)
             results["arms"][arm] = entry
+            partial = Path(args.out).with_suffix(".partial.json")  # survives an interrupted run
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({**results, "dex_selected_heads": heads}, indent=2))
             print(f"{arm}: ppl {entry['ppl']:.3f}  entropy(sel) {entry['entropy_selected_heads']:.4f}  "
                   f"max|h| {entry['max_abs_hidden']:.1f}  max|attn| {entry['max_abs_attn_output']:.2f}")
     results["dex_selected_heads"] = heads
@@ -267,13 +275,13 @@ def write(results: dict, out: Path) -> None:
 
 
 def table(results: dict) -> str:
-    cols = ["arm", "ppl", "complete", "recall-256", "recall-512", "recall-1024", "H(sel)", "max|h|", "max|attn|", "params"]
+    cols = ["arm", "ppl (val rows)", "ppl (attnkit-ppl)", "complete", "recall-256", "recall-512", "recall-1024", "H(sel)", "max|h|", "max|attn|", "params"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for arm, e in results["arms"].items():
         m = e.get("lm_eval") or {}
         acc = lambda task: f"{m[task]['acc']:.3f}" if task in m else "–"  # noqa: E731
         lines.append("| " + " | ".join([
-            arm, f"{e['ppl']:.3f}", acc("attnkit-complete"), acc("attnkit-recall-256"), acc("attnkit-recall-512"),
+            arm, f"{e['ppl']:.3f}", f"{m['attnkit-ppl']['token_perplexity']:.3f}" if "attnkit-ppl" in m else "–", acc("attnkit-complete"), acc("attnkit-recall-256"), acc("attnkit-recall-512"),
             acc("attnkit-recall-1024"), f"{e['entropy_selected_heads']:.4f}", f"{e['max_abs_hidden']:.1f}",
             f"{e['max_abs_attn_output']:.2f}", str(e["trainable_params"]),
         ]) + " |")
