@@ -95,7 +95,8 @@ def write_plot(result: dict, png: Path) -> Path:
         ax.set_xlabel("context length")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    ax_speed.legend(fontsize=7)
+    if ax_speed.get_legend_handles_labels()[0]:  # nothing to label when every case ran out of memory
+        ax_speed.legend(fontsize=7)
     fig.suptitle(f"attnkit bench on {result['machine']['device']}, {result['machine']['threads']} threads")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
