@@ -286,10 +286,12 @@ def test_constant_latent_channel_is_protected(tiny):
     assert attn.kv_a_proj_with_mqa.weight.grad[rank - 1].abs().max() == 0
     assert attn.kv_a_layernorm.weight.grad[rank - 1] == 0 and attn.kv_a_layernorm.weight.grad[0] != 0
 
-    lora = apply_lora(model, type("L", (), {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["kv_b_proj"], "modules_to_save": []})())
+    lora = apply_lora(model, type("L", (), {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["kv_b_proj", "kv_a_proj_with_mqa"], "modules_to_save": []})())
     assert protect_constant_channels(lora) == 1
     kv_b = lora.base_model.model.model.layers[0].self_attn.kv_b_proj
     torch.nn.init.normal_(kv_b.lora_B["default"].weight)  # B starts at 0, which would hide A's gradient
     lora(input_ids=ids, labels=ids).loss.backward()
     lora_a = kv_b.lora_A["default"].weight
     assert lora_a.grad[:, rank - 1].abs().max() == 0 and lora_a.grad[:, 0].abs().max() > 0
+    lora_b = lora.base_model.model.model.layers[0].self_attn.kv_a_proj_with_mqa.lora_B["default"].weight
+    assert lora_b.grad[rank - 1].abs().max() == 0 and lora_b.grad[0].abs().max() > 0

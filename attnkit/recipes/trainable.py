@@ -79,12 +79,13 @@ def constant_latent_channels(attn: torch.nn.Module) -> list[int]:
     scale (SPEC §3 step 6); its activation is ~10⁵× the others.
     """
     proj, up = getattr(attn, "kv_a_proj_with_mqa", None), getattr(attn, "kv_b_proj", None)
-    if proj is None or up is None or getattr(proj, "bias", None) is None:
+    if proj is None or up is None:
         return []
-    base = getattr(up, "base_layer", up)  # PEFT-wrapped or plain Linear
-    rank = base.in_features
-    weight = getattr(proj, "base_layer", proj).weight[:rank]  # [r, D]
-    bias = getattr(proj, "base_layer", proj).bias[:rank]
+    proj = getattr(proj, "base_layer", proj)  # PEFT-wrapped or plain Linear
+    if getattr(proj, "bias", None) is None:
+        return []
+    rank = getattr(up, "base_layer", up).in_features
+    weight, bias = proj.weight[:rank], proj.bias[:rank]  # [r, D], [r]
     return [c for c in range(rank) if bool(weight[c].eq(0).all()) and float(bias[c]) != 0.0]
 
 
@@ -106,11 +107,18 @@ def protect_constant_channels(model: torch.nn.Module) -> int:
         _mask(getattr(proj, "base_layer", proj).weight, rows=idx)
         _mask(getattr(proj, "base_layer", proj).bias, rows=idx)
         _mask(getattr(up, "base_layer", up).weight, cols=idx)
-        for lora_a in getattr(up, "lora_A", {}).values() if hasattr(up, "lora_A") else []:
+        for lora_a in _adapters(up, "lora_A"):
             _mask(lora_a.weight, cols=idx)  # LoRA's down-projection reads the latent too
+        for lora_b in _adapters(proj, "lora_B"):
+            _mask(lora_b.weight, rows=idx)  # and LoRA on kv_a_proj_with_mqa would write into it
         if norm is not None:
             _mask(norm.weight, rows=idx)
     return count
+
+
+def _adapters(layer: torch.nn.Module, kind: str) -> list[torch.nn.Module]:
+    adapters = getattr(layer, kind, None)
+    return list(adapters.values()) if isinstance(adapters, torch.nn.ModuleDict) else []
 
 
 def _mask(param: torch.nn.Parameter, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> None:
