@@ -6,8 +6,8 @@ The output (JSONL beside this file) is committed, so evaluation never depends on
 user has. Three tasks:
 * attnkit-ppl       loglikelihood_rolling over whole held-out files (perplexity)
 * attnkit-complete  multiple choice: the true next line among 3 distractor lines of the same file
-* attnkit-recall-N  key→value retrieval: 4 `name = "value"` assignments hidden in N tokens of code,
-                    then `assert name == "` — which value completes it
+* attnkit-recall-N  needle retrieval: one `name = "value"` line in the first quarter of N tokens of
+                    code, then `assert name == "` — which of 4 values completes it (3 never seen)
 """
 
 from __future__ import annotations
@@ -72,28 +72,31 @@ def _value(rng: random.Random) -> str:
 
 
 def recall_items(docs: list[Document], tokenizer, length: int, n: int, rng: random.Random) -> list[dict]:
-    """Code of about `length` tokens with 4 assignments inserted in its first 3/4; query one of them."""
+    """Code of about `length` tokens with one `name = "value"` line in its first quarter; query it.
+
+    The three distractor values never occur in the context, so the task measures retrieval over
+    distance (what a KV-cache compression can break), at a length the model was trained for.
+    """
     items = []
     for d in docs:
         lines = d.text.splitlines()
         kept, count = [], 0
         for line in lines:
             k = len(tokenizer(line + "\n", add_special_tokens=False)["input_ids"])
-            if count + k > length - 60:  # room for the inserted lines and the query
+            if count + k > length - 30:  # room for the needle and the query
                 break
             kept.append(line)
             count += k
         if count < length * 0.6 or len(kept) < 12:
             continue
-        names = [f"{n_}_{rng.randint(10, 99)}" for n_ in rng.sample(_NAMES, 4)]
-        values = [_value(rng) for _ in names]
-        slots = sorted(rng.sample(range(1, int(len(kept) * 0.75)), 4), reverse=True)
-        for slot, name, value in zip(slots, names, values):
-            kept.insert(slot, f'{name} = "{value}"')
-        target = rng.randrange(4)
-        context = "\n".join(kept) + f'\n\nassert {names[target]} == "'
+        name = f"{rng.choice(_NAMES)}_{rng.randint(10, 99)}"
+        values = [_value(rng) for _ in range(4)]
+        kept.insert(rng.randrange(1, max(2, len(kept) // 4)), f'{name} = "{values[0]}"')
+        context = "\n".join(kept) + f'\n\nassert {name} == "'
         choices = [f'{v}"' for v in values]
-        items.append({"id": f"{d.id}@{length}", "context": context, "choices": choices, "gold": target})
+        order = rng.sample(range(4), 4)
+        items.append({"id": f"{d.id}@{length}", "context": context, "choices": [choices[i] for i in order],
+                      "gold": order.index(0)})
         if len(items) >= n:
             break
     return items
