@@ -289,6 +289,7 @@ def test_constant_latent_channel_is_protected(tiny):
     lora = apply_lora(model, type("L", (), {"r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["kv_b_proj", "kv_a_proj_with_mqa"], "modules_to_save": []})())
     assert protect_constant_channels(lora) == 1
     kv_b = lora.base_model.model.model.layers[0].self_attn.kv_b_proj
+    assert kv_b.lora_A["default"].weight[:, rank - 1].abs().max() == 0  # A never reads the constant
     torch.nn.init.normal_(kv_b.lora_B["default"].weight)  # B starts at 0, which would hide A's gradient
     lora(input_ids=ids, labels=ids).loss.backward()
     lora_a = kv_b.lora_A["default"].weight

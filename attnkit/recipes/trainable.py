@@ -107,8 +107,10 @@ def protect_constant_channels(model: torch.nn.Module) -> int:
         _mask(getattr(proj, "base_layer", proj).weight, rows=idx)
         _mask(getattr(proj, "base_layer", proj).bias, rows=idx)
         _mask(getattr(up, "base_layer", up).weight, cols=idx)
-        for lora_a in _adapters(up, "lora_A"):
-            _mask(lora_a.weight, cols=idx)  # LoRA's down-projection reads the latent too
+        for lora_a in _adapters(up, "lora_A"):  # LoRA's down-projection must not read the constant
+            with torch.no_grad():
+                lora_a.weight[:, idx] = 0.0
+            _mask(lora_a.weight, cols=idx)
         for lora_b in _adapters(proj, "lora_B"):
             _mask(lora_b.weight, rows=idx)  # and LoRA on kv_a_proj_with_mqa would write into it
         if norm is not None:
