@@ -65,7 +65,7 @@ def _add_convert(sub) -> None:
         default="exact",
         help="exact: keep each kept component at its source frequency (longrope factors); geometric: plain theta ladder with folding",
     )
-    mla.add_argument("--objective", choices=["kv", "attention"], default="kv", help="latent PCA metric: kv = balanced K/V energy; attention = query-weighted keys, o_proj-weighted values")
+    mla.add_argument("--objective", choices=["kv", "attention"], default="attention", help="latent PCA metric: kv = balanced K/V energy; attention = query-weighted keys, o_proj-weighted values")
     mla.add_argument("--eval-tokens", type=int, default=4096, metavar="N", help="held-out tokens for the per-step error report")
     mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="total KV-cache budget as a fraction of the source's; ranks allocated per layer")
     dex = p.add_argument_group("DEX (--to dex)")

@@ -75,7 +75,7 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, config: dict)
     out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
     return Settings(
         kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=args.rope_frequencies,
-        objective=getattr(args, "objective", None) or "kv",
+        objective=getattr(args, "objective", None) or "attention",
         calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
         seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=NAMES.get(out_dtype, "float32"),
         out_dtype=out_dtype, src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
