@@ -77,6 +77,13 @@ def describe(config: dict) -> Family:
         raise AttnkitError(
             f"cannot convert: RoPE type {rope_type!r} changes with sequence length; supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and window < config.get("max_position_embeddings", 0):
+        raise AttnkitError(
+            f"cannot convert: the model attends through a sliding window of {window} tokens, which DeepSeek-V3 "
+            "cannot express (the output would attend to every earlier token); to accept that, convert a copy "
+            "whose config.json has sliding_window: null"
+        )
     if float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         raise AttnkitError("cannot convert: partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     return FAMILIES[model_type]
