@@ -149,8 +149,8 @@ def pack_tokens(
                 stream.append(eos)
         if len(stream) >= wanted:
             break
-    total = min(len(stream), int(wanted) if n_tokens is not None else len(stream))
-    rows = total // seq_len
+    total = min(len(stream), wanted)
+    rows = int(total) // seq_len
     if rows == 0:
         raise AttnkitError(
             f"text source {source!r} ({split}) has {len(stream)} tokens, fewer than one sequence of {seq_len}"

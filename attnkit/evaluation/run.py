@@ -208,7 +208,6 @@ def main(args: argparse.Namespace) -> int:
         if out.is_dir():
             raise AttnkitError(f"--out {out} is a folder; give a file name such as results.json")
     names = bundled.expand(args.tasks)
-    bundled.check_names(names)
     kwargs = dict(tasks=names, limit=args.limit, batch_size=args.batch_size, dtype=args.dtype, device=args.device)
     result: dict[str, Any] = {"schema": SCHEMA, "attnkit_version": __version__, "tasks": names, "limit": args.limit}
     models = {"model": evaluate_model(args.model, **kwargs)}

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from attnkit.data import iter_documents, pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.recipes.config import load_recipe
+from attnkit.recipes.measure import validation_loss
 
 SPECIAL = "<|endoftext|>"
 
@@ -147,15 +148,9 @@ def _tokens(recipe: PretrainRecipe, tokenizer, run_dir: Path) -> tuple[torch.Ten
     return train, val
 
 
-@torch.no_grad()
 def evaluate_loss(model, rows: torch.Tensor, device, batch: int = 16) -> float:
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(rows), batch):
-        x = rows[i : i + batch].to(device)
-        total += model(input_ids=x, labels=x).loss.item() * len(x)
-        count += len(x)
-    model.train()
+    """Mean next-token cross-entropy over `rows` [n, L] (the healing trainer's own measure)."""
+    total, count = validation_loss(model, rows, batch, device)
     return total / count
 
 
