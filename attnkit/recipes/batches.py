@@ -17,7 +17,10 @@ from attnkit.errors import AttnkitError
 
 
 class EpochRows(Dataset):
-    """`length` rows drawn epoch by epoch from `rows` [n, seq_len] in a per-epoch seeded order."""
+    """`length` rows drawn epoch by epoch from `rows` [n, seq_len] in a per-epoch seeded order.
+
+    Item i is {"input_ids": [seq_len], "row": its index in `rows`} — the row index keys the teacher cache.
+    """
 
     def __init__(self, rows: torch.Tensor, length: int, seed: int):
         self.rows, self.length, self.seed = rows, length, seed
@@ -32,9 +35,19 @@ class EpochRows(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def row_index(self, i: int) -> int:
         epoch, j = divmod(i, len(self.rows))
-        return self.rows[self._perm(epoch)[j]]
+        return int(self._perm(epoch)[j])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.row_index(i)
+        return {"input_ids": self.rows[row], "row": torch.tensor(row)}
+
+    def used_rows(self) -> list[int]:
+        """Sorted indices of the rows this run reads (all of them once a run passes one epoch)."""
+        if self.length >= len(self.rows):
+            return list(range(len(self.rows)))
+        return sorted(self.row_index(i) for i in range(self.length))
 
 
 def plan_steps(data, train, world_size: int) -> tuple[int, int]:
@@ -65,6 +78,6 @@ def check_enough(rows: torch.Tensor, rows_per_step: int, source: str) -> None:
         )
 
 
-def train_loader(rows: torch.Tensor, total_rows: int, per_device: int, seed: int) -> DataLoader:
+def train_loader(dataset: EpochRows, per_device: int) -> DataLoader:
     """Plain sequential DataLoader; hand it to `accelerator.prepare` to shard it."""
-    return DataLoader(EpochRows(rows, total_rows, seed), batch_size=per_device, shuffle=False, drop_last=True)
+    return DataLoader(dataset, batch_size=per_device, shuffle=False, drop_last=True)

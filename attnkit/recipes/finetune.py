@@ -31,7 +31,7 @@ from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import check_output_dir
 from attnkit.io.resolve import check_causal_lm, resolve_model
-from attnkit.recipes import batches, measure, state, trainable
+from attnkit.recipes import batches, measure, state, teacher_cache, trainable
 from attnkit.recipes.export import final_model, input_dtype, save_healed
 from attnkit.recipes.losses import heal_loss
 from attnkit.recipes.recipe import Recipe, load_finetune_recipe
@@ -157,13 +157,28 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         notes.append(f"data: {len(rows)} distinct rows for {total_steps * rows_per_step} rows seen (several epochs)")
     val_rows = pack_tokens(tokenizer, recipe.data.source, "validation", recipe.data.seq_len, recipe.data.val_tokens, 0)
     val_rows = val_rows[: max(1, len(val_rows) // world) * world]  # equal forward counts on every process
+    dataset = batches.EpochRows(rows, total_steps * rows_per_step, recipe.data.seed)
+    cache_cfg, cache_fp, cache_plan = recipe.teacher_cache, None, None
+    if cache_cfg is not None and teacher_path is not None:  # refuse a stale cache before anything is written
+        cache_fp = teacher_cache.fingerprint(
+            teacher_path, tokenizer, config.get("vocab_size"), recipe.data, rows, dataset.used_rows(),
+            recipe.loss.temperature, cache_cfg.top_k, cache_cfg.dtype,
+        )
+        cache_plan = teacher_cache.plan(Path(cache_cfg.dir), cache_fp, cache_cfg.rebuild)
     sharded = _is_sharded(accelerator)
     if sharded and recipe.train.trainable == "lora":
         raise AttnkitError("train.trainable: lora under FSDP/DeepSpeed is not supported; use DDP (recipes/accelerate/ddp.yaml)")
     if sharded and recipe.eval.tasks:
         notes.append("eval tasks skipped: they run on one process and need an unsharded model (FSDP/DeepSpeed)")
 
-    teacher = load_teacher(teacher_path, teacher_config, accelerator.device)
+    cache = None
+    if cache_plan is None:
+        teacher = load_teacher(teacher_path, teacher_config, accelerator.device)
+    else:  # the teacher runs once (main process, while the others wait), then never again
+        teacher = None
+        cache, cache_note = _open_cache(accelerator, recipe, cache_plan, cache_fp, rows, dataset.used_rows(),
+                                        val_rows, teacher_path, teacher_config, total_steps)
+        notes.append(cache_note)
     model = load_causal_lm(student_path, trust)
     if recipe.train.trainable == "lora":
         model = trainable.apply_lora(model, recipe.train.lora)
@@ -179,7 +194,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     )
     t = recipe.train
     scheduler = build_scheduler(optimizer, total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio, t.decay_fraction)
-    loader = batches.train_loader(rows, total_steps * rows_per_step, t.per_device_batch_size, recipe.data.seed)
+    loader = batches.train_loader(dataset, t.per_device_batch_size)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     if main_proc:
@@ -214,6 +229,8 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
                 teacher, val_rows, t.per_device_batch_size, accelerator.device, accelerator.process_index, world
             )
             trainer_state["eval_teacher"] = {"validation": measure.reduce_loss(accelerator, total, count)}
+        elif cache is not None:  # measured when the cache was built, on the same rows if they match
+            trainer_state["eval_teacher"] = cache.teacher_validation(teacher_cache.rows_digest(val_rows))
         log.write({"event": "eval", "step": 0, **_flat(trainer_state["eval_before"])})
     if recipe.loss.kl_weight == 0:
         teacher = None  # named only as the quality reference; free it for training
@@ -232,7 +249,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         broadcast_step(model, step, total_steps)
         if teacher is not None:
             broadcast_step(teacher, step, total_steps)
-        parts = _optimizer_step(accelerator, model, teacher, data_iter, optimizer, scheduler, params, recipe)
+        parts = _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe)
         trainer_state["step"] = step + 1
         trainer_state["tokens_seen"] += tokens_per_step
         window_tokens += tokens_per_step
@@ -292,21 +309,49 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     return report
 
 
-def _optimizer_step(accelerator, model, teacher, data_iter, optimizer, scheduler, params, recipe) -> dict:
+def _open_cache(accelerator, recipe, plan, fp, rows, used, val_rows, teacher_path, teacher_config, total_steps):
+    """Build the teacher cache on the main process if needed (others wait), then open it everywhere."""
+    folder = Path(recipe.teacher_cache.dir)
+    accelerator.wait_for_everyone()  # every process has checked the folder before it changes
+    with accelerator.main_process_first():
+        if accelerator.is_main_process and plan == "build":
+            teacher = load_teacher(teacher_path, teacher_config, accelerator.device)
+            if broadcast_step(teacher, 0, total_steps):
+                raise AttnkitError("teacher_cache: the teacher has step-scheduled modules; its logits cannot be cached")
+            began = time.perf_counter()
+            teacher_cache.build(
+                folder, teacher, rows, used, fp, batch_size=recipe.train.per_device_batch_size,
+                device=accelerator.device, autocast=accelerator.autocast,
+                val=(val_rows, teacher_cache.rows_digest(val_rows)),
+            )
+            note = f"teacher cache built in {folder} ({time.perf_counter() - began:.1f} s)"
+            del teacher
+        else:
+            note = f"teacher targets read from the cache {folder}"
+        cache = teacher_cache.TeacherCache(folder)
+    if cache.manifest["fingerprint"] != fp:  # another run replaced it meanwhile
+        raise AttnkitError(f"teacher cache {folder} changed while this run started; rerun")
+    return cache, note
+
+
+def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe) -> dict:
     """`grad_accum` micro-batches → one clipped AdamW step; returns the mean loss parts (all processes)."""
     accum, loss_cfg = recipe.train.grad_accum, recipe.loss
     sums: dict[str, float] = {}
     for micro in range(accum):
-        batch = next(data_iter)  # [b, L] on this process's device
+        batch = next(data_iter)  # {"input_ids": [b, L], "row": [b]} on this process's device
+        ids = batch["input_ids"]
         sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
         with sync:
-            logits = model(input_ids=batch, use_cache=False).logits  # [b, L, V]
-            teacher_logits = None
+            logits = model(input_ids=ids, use_cache=False).logits  # [b, L, V]
+            target = None
             if teacher is not None:
                 with torch.no_grad(), accelerator.autocast():
-                    teacher_logits = teacher(input_ids=batch, use_cache=False).logits
+                    target = teacher(input_ids=ids, use_cache=False).logits
+            elif cache is not None and loss_cfg.kl_weight > 0:  # this process's rows only
+                target = cache.targets(batch["row"].cpu()).to(ids.device)
             loss, parts = heal_loss(
-                logits, batch, teacher_logits, loss_cfg.ce_weight, loss_cfg.kl_weight, loss_cfg.temperature
+                logits, ids, target, loss_cfg.ce_weight, loss_cfg.kl_weight, loss_cfg.temperature
             )
             accelerator.backward(loss / accum)
         parts["loss"] = float(loss.detach())

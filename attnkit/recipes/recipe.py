@@ -14,6 +14,7 @@ from attnkit.recipes.config import load_recipe
 TRAINABLE_MODES = ("new", "attention", "full", "lora")
 SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
+CACHE_DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass
@@ -63,6 +64,16 @@ class LossSection:
 
 
 @dataclass
+class TeacherCacheSection:
+    """Teacher log-probs precomputed once to disk (attnkit/recipes/teacher_cache.py); no teacher in training."""
+
+    dir: str = ""  # cache folder (built when absent or empty)
+    top_k: int | None = 64  # top-k log-probs + ids per position, the rest in one bucket; null: full vocabulary
+    dtype: str = "bf16"  # log-probs on disk: bf16 | fp16 | fp32 (token ids are int32)
+    rebuild: bool = False  # replace a cache made for another run (teacher, data, T, top_k…) instead of refusing it
+
+
+@dataclass
 class EvalSection:
     every: int = 0  # validation loss every N steps (0: only before and after)
     tasks: str | None = None  # `attnkit eval` tasks before/after, e.g. attnkit-core (null: skip)
@@ -92,6 +103,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     loss: LossSection = field(default_factory=LossSection)
+    teacher_cache: TeacherCacheSection | None = None  # null: the teacher runs in the training process
     eval: EvalSection = field(default_factory=EvalSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
@@ -107,6 +119,8 @@ class Recipe:
         """Hash of what determines the trajectory; a checkpoint is resumable only under the same one."""
         d = self.to_dict()
         keep = {k: d[k] for k in ("model", "teacher", "data", "train", "loss")}
+        if self.teacher_cache is not None:  # top-k targets train differently; the folder and flag do not matter
+            keep["teacher_cache"] = {"top_k": self.teacher_cache.top_k, "dtype": self.teacher_cache.dtype}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -150,6 +164,12 @@ def check_recipe(r: Recipe) -> None:
     _need(r.loss.ce_weight + r.loss.kl_weight > 0, "loss", "ce_weight and kl_weight are both 0: nothing to train on")
     if r.loss.kl_weight > 0:
         _need(r.teacher is not None, "teacher", "is required when loss.kl_weight > 0 (or set loss.kl_weight=0)")
+    if r.teacher_cache is not None:
+        c = r.teacher_cache
+        _need(bool(c.dir), "teacher_cache.dir", "is required (a folder for the cached teacher log-probs)")
+        _need(c.top_k is None or c.top_k > 0, "teacher_cache.top_k", f"must be positive or null, got {c.top_k}")
+        _choice(c.dtype, CACHE_DTYPES, "teacher_cache.dtype")
+        _need(r.loss.kl_weight > 0, "teacher_cache", "caches distillation targets: needs loss.kl_weight > 0")
 
 
 def _need(ok: bool, key: str, why: str) -> None:
