@@ -258,12 +258,10 @@ def build_stage(aw: AttnWeights, plan: RopePlan, shape: Shape, moment: torch.Ten
         pe = split.q_pe[g] @ q[h]  # [d_r, D+1]
         q_w[h, :d], q_b[h, :d] = q[h, :, :D] * c_nope, q[h, :, D] * c_nope
         q_w[h, d:], q_b[h, d:] = pe[:, :D] * c_pe, pe[:, D] * c_pe
-    k_rows, v_rows = split.nope, augmented(aw.wv, aw.bv, dtype)
+    latent = latent_rows(split, aw, beta, metrics, dtype)  # [n + G d, D+1]
     k_inv = v_inv = None
-    if metrics is not None:  # latent in metric units: PCA then minimises the attention-relevant error
-        a_k, k_inv, a_v, v_inv = (m.to(dtype) for m in metrics)
-        k_rows, v_rows = a_k @ k_rows, a_v @ v_rows
-    latent = torch.cat([beta * k_rows, v_rows])  # [n + G d, D+1]
+    if metrics is not None:
+        k_inv, v_inv = metrics[1].to(dtype), metrics[3].to(dtype)
     # per head map latent -> [k_nope d | v d]
     up = torch.zeros(H, 2 * d, n + G * d, dtype=dtype)
     up[:, :d, :n] = (split.back[g_of] if k_inv is None else split.back[g_of] @ k_inv) / beta
@@ -288,6 +286,26 @@ def build_stage(aw: AttnWeights, plan: RopePlan, shape: Shape, moment: torch.Ten
         kvb_w=kvb_w, kvb_b=kvb_b, o_w=aw.wo.to(dtype), o_b=None if aw.bo is None else aw.bo.to(dtype),
         inv_freq=plan.inv_freq, scale=scale_tgt, rope_scaling=rope_tgt,
     )
+
+
+def latent_rows(split: RopeSplit, aw: AttnWeights, beta: float = 1.0, metrics=None,
+                dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """[n + G d, D+1] rows of the untruncated latent [beta K-NoPE; V] (in metric units if given)."""
+    k_rows, v_rows = split.nope.to(dtype), augmented(aw.wv, aw.bv, dtype)
+    if metrics is not None:  # latent in metric units: PCA then minimises the attention-relevant error
+        k_rows, v_rows = metrics[0].to(dtype) @ k_rows, metrics[2].to(dtype) @ v_rows
+    return torch.cat([beta * k_rows, v_rows])
+
+
+def latent_spectrum(latent: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
+    """Descending PCA eigenvalues of the latent under the centred input covariance: the k-th is
+    what the k-th kept channel removes from the low-rank step's objective."""
+    D = latent.shape[1] - 1
+    mom = moment.double()
+    mean = mom[:D, D] / mom[D, D]
+    cov = mom[:D, :D] / mom[D, D] - torch.outer(mean, mean)
+    w = latent[:, :D].double()
+    return torch.linalg.eigvalsh(w @ cov @ w.T).flip(0).clamp_min(0)
 
 
 def top_eigvecs(cov: torch.Tensor, rank: int) -> torch.Tensor:
@@ -326,3 +344,14 @@ def mla_attention(p: MLAParams, x: torch.Tensor, positions: torch.Tensor) -> tor
 def to_dtype(p: MLAParams, dtype: torch.dtype) -> MLAParams:
     conv = {f: getattr(p, f) for f in ("q_w", "q_b", "lat_w", "lat_b", "pe_w", "pe_b", "kvb_w", "kvb_b", "o_w", "o_b")}
     return replace(p, **{k: None if v is None else v.to(dtype) for k, v in conv.items()})
+
+
+def group_weights(aw: AttnWeights, shape: Shape, g: int) -> tuple[AttnWeights, Shape]:
+    """KV group g alone (its query heads, key, value and o_proj columns): an attention whose output,
+    summed over g, is the layer's. The output bias goes with group 0."""
+    per, d = shape.H // shape.G, shape.d
+    q_rows, kv_rows = slice(g * per * d, (g + 1) * per * d), slice(g * d, (g + 1) * d)
+    pick = lambda b, rows: None if b is None else b[rows]  # noqa: E731
+    sub = AttnWeights(aw.wq[q_rows], aw.wk[kv_rows], aw.wv[kv_rows], aw.wo[:, q_rows],
+                      pick(aw.bq, q_rows), pick(aw.bk, kv_rows), pick(aw.bv, kv_rows), aw.bo if g == 0 else None)
+    return sub, Shape(shape.D, per, 1, d)
