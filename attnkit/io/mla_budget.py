@@ -181,6 +181,30 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     return src_ppl, results
 
 
+def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores) -> list[torch.Tensor]:
+    """Every layer's descending latent PCA eigenvalues at this rope_dim (what each kept channel buys)."""
+    shape, fam = src.shape, src.family
+    src_inv, _ = source_rope(fam, src.hf_config)
+    positions = torch.arange(s.seq_len, device=s.device)
+    src_pe = fam.rotary_class()(src.hf_config).to(s.device)(torch.zeros(1, s.seq_len, shape.D, device=s.device),
+                                                             positions[None])
+    counts = mla.slot_counts(scores, rope_dim)
+    tgt = target_for(src, s, rope_dim, counts, 2)
+    h_cal = embed_rows(src.ckpt, fam.embed + ".weight", calib).to(s.device)
+    spectra = []
+    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="latent spectra", unit="layer"):
+        module = pipe._source_layer(src, layer, s.device)
+        mom, aw = pipe._moment(module, fam, h_cal, shape).value, pipe._cpu_weights(module, src)
+        plan = mla.plan_rope(aw, mom, shape, rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt.inv_freq, counts)
+        split = mla.split_keys(aw, plan, shape)
+        metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
+        latent = mla.latent_rows(split, aw, mla.balance_factor(split, aw, mom, metrics), metrics)
+        spectra.append(mla.latent_spectrum(latent, mom))
+        h_cal = map_rows(lambda b: pipe._as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)),
+                         h_cal, pipe.ROW_BATCH)
+    return spectra
+
+
 def choose_split(src, s, calib: torch.Tensor) -> dict:
     """--kv-budget: the uniform (kv_lora_rank, rope_dim) split with the lowest KL(source || converted)
     on calibration rows, among an even grid of rope_dim and a refinement around the best.
