@@ -70,6 +70,14 @@ def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: 
         return torch.cat([fn(b) for b in batches(h, rows)])
 
 
+def map_rows_inplace(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """Replace h batch by batch with fn(h) (same shape): no second copy of the hidden states."""
+    with torch.no_grad():
+        for start in range(0, h.shape[0], rows):
+            h[start : start + rows] = fn(h[start : start + rows])
+    return h
+
+
 def read_rows(path, name: str, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of a 2-D tensor in a safetensors file, without reading the rest."""
     with safe_open(str(path), framework="pt", device="cpu") as handle:

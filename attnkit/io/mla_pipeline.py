@@ -27,7 +27,7 @@ from attnkit.converters.mla_metrics import ErrorStat, logits_metrics, relative_e
 from attnkit.converters.mla_native import constant_for, deepseek_config, native_attention_tensors
 from attnkit.converters.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
 from attnkit.errors import AttnkitError
-from attnkit.io.calib import Moment, calibration_tokens, embed_rows, map_rows, read_rows, tensor_rows
+from attnkit.io.calib import Moment, calibration_tokens, embed_rows, map_rows, map_rows_inplace, read_rows, tensor_rows
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.mla_report import build_report, format_report
 from attnkit.io.mla_settings import Settings, resolve_settings
@@ -190,7 +190,8 @@ def _rope_counts(src: Source, s: Settings, calib: torch.Tensor, src_inv: torch.T
         module = _source_layer(src, layer, s.device)
         mom = _moment(module, src.family, h, src.shape).value
         scores.append(mla.rope_scores(_cpu_weights(module, src), mom, src.shape, s.rope_method)[1])
-        h = map_rows(lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)), h, ROW_BATCH)
+        map_rows_inplace(lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)), h, ROW_BATCH)
+        del module
     return mla.slot_counts(scores, s.rope_dim)
 
 
@@ -209,6 +210,22 @@ def _cpu_weights(module, src: Source) -> mla.AttnWeights:
                              (aw.wq, aw.wk, aw.wv, aw.wo, aw.bq, aw.bk, aw.bv, aw.bo)))
 
 
+@dataclass
+class _Targets:
+    """What every layer's conversion shares: the target config, positions, RoPE tables, writer."""
+
+    tgt_cfg: object
+    positions: torch.Tensor
+    src_pe: tuple
+    tgt_pe: tuple
+    src_inv: torch.Tensor
+    tgt_inv: torch.Tensor
+    counts: torch.Tensor | None
+    kw: dict  # scales and RoPE attention factors of build_stage
+    q_bias: bool
+    writer: ShardedWriter
+
+
 def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tensor) -> dict:
     shape, dev, fam = src.shape, s.device, src.family
     src_inv, src_att = source_rope(fam, src.hf_config)
@@ -217,7 +234,7 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
     positions = torch.arange(s.seq_len, device=dev)
     probe = torch.zeros(1, s.seq_len, shape.D, device=dev)
     src_pe = fam.rotary_class()(src.hf_config).to(dev)(probe, positions[None])
-    q_lora = shape.D + 1 if _has_q_bias(src) else None
+    q_bias = _has_q_bias(src)
     counts = None
     if s.rope_frequencies == "exact":
         counts = _rope_counts(src, s, calib, src_inv, src_pe)
@@ -225,7 +242,8 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
         rope_params = exact_rope_parameters(slot_inv, theta, int(src.config.get("max_position_embeddings", 4096)), src_att)
     else:
         rope_params = geometric_rope_parameters(src_rope)
-    tgt_cfg = deepseek_config(src.config, shape, s.rope_dim, s.kv_lora_rank, q_lora, rope_params, s.dtype_name)
+    tgt_cfg = deepseek_config(src.config, shape, s.rope_dim, s.kv_lora_rank, shape.D + 1 if q_bias else None,
+                              rope_params, s.dtype_name)
     tgt_cfg._attn_implementation = "sdpa"
     tgt_inv, tgt_att = target_rope(tgt_cfg)
     if s.rope_frequencies == "exact" and not torch.allclose(tgt_inv, slot_inv, rtol=1e-5):
@@ -233,79 +251,113 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
     tgt_pe = DeepseekV3RotaryEmbedding(tgt_cfg).to(dev)(probe, positions[None])
     with torch.device("meta"):
         scale_tgt = DeepseekV3Attention(tgt_cfg, 0).scaling
-    writer = ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes)
+    t = _Targets(tgt_cfg, positions, src_pe, tgt_pe, src_inv, tgt_inv, counts,
+                 dict(scale_src=_source_scale(src), scale_tgt=scale_tgt, rope_src=src_att, rope_tgt=tgt_att),
+                 q_bias, ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes))
     embed_name = fam.embed + ".weight"
     h_cal = embed_rows(src.ckpt, embed_name, calib).to(dev)
     h0 = embed_rows(src.ckpt, embed_name, held_out).to(dev)
     streams = {"source": h0, **{k: h0.clone() for k in STAGES}}
     attn_err = {k: ErrorStat() for k in STAGES}
-    per_layer = []
-    kw = dict(scale_src=_source_scale(src), scale_tgt=scale_tgt, rope_src=src_att, rope_tgt=tgt_att)
-    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="convert --to mla", unit="layer"):
-        module = _source_layer(src, layer, dev)
-        norm1 = getattr(module, fam.norms[0])
-        moment = _moment(module, fam, h_cal, shape)
-        mom, aw = moment.value, _cpu_weights(module, src)
-        plan = mla.plan_rope(aw, mom, shape, s.rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt_inv, counts)
-        split = mla.split_keys(aw, plan, shape)
-        metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
-        beta = mla.balance_factor(split, aw, mom, metrics)
-        del split
-        full = mla.identity_plan(shape, src_inv)
-        # each stage is built, measured and dropped in turn: at most one stage's weights are resident
-        builders = {
-            "exact": lambda: mla.build_stage(aw, full, shape, mom, dtype=torch.float32, **{
-                **kw, "scale_tgt": (shape.d + full.d_r) ** -0.5, "rope_tgt": src_att}),
-            "rope": lambda: mla.build_stage(aw, plan, shape, mom, **kw),
-            "balance": lambda: mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, **kw),
-            "low-rank": lambda: mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics,
-                                                rank=s.kv_lora_rank - 1, **kw),
-        }
-        layer_errs = {}
-        with torch.no_grad():
-            x_src = norm1(streams["source"])
-            ref = module.self_attn(hidden_states=x_src, position_embeddings=src_pe, attention_mask=None)[0]
-            for k in STAGES:
-                if k == "native":
-                    tensors = native_attention_tensors(low_p, shape, constant_for(z_max, s.out_dtype),
-                                                       constant_for(moment.max_norm, s.out_dtype) if q_lora else None)
-                    native = DeepseekV3Attention(tgt_cfg, layer).to(dev)
-                    native.load_state_dict({n: v.to(s.out_dtype).float() for n, v in tensors.items()}, strict=True)
-                    attend = lambda x: native(x, position_embeddings=tgt_pe, attention_mask=None)[0]  # noqa: E731
-                else:
-                    params = builders[k]()
-                    attend, p32 = _mla_fn(params, positions, dev)
-                    if k == "low-rank":
-                        low_p = params
-                        z_max = float(map_rows(lambda b: (norm1(b) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax()[None],
-                                               h_cal, ROW_BATCH).max())
-                    del params
-                e = relative_errors(attend(x_src), ref)
-                attn_err[k].add(e)
-                layer_errs[k] = float(e.mean())
-                streams[k] = _run_stage_layer(module, fam, attend, streams[k])
-                del attend
-            run_src = lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe))  # noqa: E731
-            streams["source"] = run_src(streams["source"])
-            h_cal = map_rows(run_src, h_cal, ROW_BATCH)
-        per_layer.append({"layer": layer, "beta": beta, "rope_components": {"virtual_head": plan.kept_j.tolist(),
-                          "frequency_index": plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs})
-        for name, t in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
-            writer.add(f"model.layers.{layer}.{name}", t.to(s.out_dtype))
-        del module, native, low_p, tensors
+    per_layer = [_convert_layer(src, s, t, layer, h_cal, streams, attn_err)
+                 for layer in tqdm(range(src.config["num_hidden_layers"]), desc="convert --to mla", unit="layer")]
+    del h_cal
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
-    writer.add("model.norm.weight", final_norm.to(s.out_dtype))
+    t.writer.add("model.norm.weight", final_norm.to(s.out_dtype))
     tied = bool(src.config.get("tie_word_embeddings", False))
     head_name = embed_name if tied or fam.lm_head + ".weight" not in src.ckpt else fam.lm_head + ".weight"
-    writer.close()
+    t.writer.close()
     big = [("model.embed_tokens.weight", embed_name)] + ([] if tied else [("lm_head.weight", head_name)])
     merge_index(tmp, "model-embeddings.safetensors", stream_tensors(src.ckpt, big, tmp / "model-embeddings.safetensors", s.out_dtype))
     tgt_cfg.to_json_file(str(tmp / "config.json"))
-    finals = {k: _final_hidden(src, h, final_norm) for k, h in streams.items()}
+    finals = {k: _final_hidden(src, streams.pop(k), final_norm) for k in list(streams)}
     targets = held_out[:, 1:].reshape(-1).to(dev)
     src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in STAGES}, targets,
                                       lambda: _head_chunks(src.ckpt, head_name, dev))
     return build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
+
+
+def _convert_layer(src: Source, s: Settings, t: _Targets, layer: int, h_cal: torch.Tensor,
+                   streams: dict[str, torch.Tensor], attn_err: dict[str, ErrorStat]) -> dict:
+    """Convert, measure and write one layer; advances `h_cal` and every stream in place.
+
+    A function of its own so that everything the layer allocated is freed when it returns."""
+    shape, dev, fam = src.shape, s.device, src.family
+    module = _source_layer(src, layer, dev)
+    norm1 = getattr(module, fam.norms[0])
+    moment = _moment(module, fam, h_cal, shape)
+    mom, aw = moment.value, _cpu_weights(module, src)
+    plan = mla.plan_rope(aw, mom, shape, s.rope_dim, s.rope_method, t.src_inv, s.rope_frequencies, t.tgt_inv, t.counts)
+    split = mla.split_keys(aw, plan, shape)
+    metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
+    beta = mla.balance_factor(split, aw, mom, metrics)
+    del split
+    # each stage is built, measured and dropped in turn: at most one stage's weights are resident
+    builders = {
+        "exact": lambda: _exact_by_group(aw, shape, mom, t, dev),
+        "rope": lambda: _mla_fn(mla.build_stage(aw, plan, shape, mom, **t.kw), t.positions, dev),
+        "balance": lambda: _mla_fn(mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, **t.kw), t.positions, dev),
+    }
+    layer_errs = {}
+    with torch.no_grad():
+        x_src = map_rows(norm1, streams["source"], ROW_BATCH)
+        ref = map_rows(lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=None)[0],
+                       x_src, ROW_BATCH)
+        for k in STAGES:
+            if k == "low-rank":
+                low_p = mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, rank=s.kv_lora_rank - 1, **t.kw)
+                attend, p32 = _mla_fn(low_p, t.positions, dev)
+                z_max = float(map_rows(lambda b: (norm1(b) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax()[None],
+                                       h_cal, ROW_BATCH).max())
+            elif k == "native":
+                tensors = native_attention_tensors(low_p, shape, constant_for(z_max, s.out_dtype),
+                                                   constant_for(moment.max_norm, s.out_dtype) if t.q_bias else None)
+                del low_p
+                tensors = {n: v.to(s.out_dtype) for n, v in tensors.items()}  # what is written, and measured
+                with torch.device("meta"):
+                    native = DeepseekV3Attention(t.tgt_cfg, layer)
+                native.load_state_dict({n: v.float().to(dev) for n, v in tensors.items()}, strict=True, assign=True)
+                attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=None)[0]  # noqa: E731
+            else:
+                attend = builders[k]()[0]
+            layer_errs[k] = _measure_stage(attend, module, fam, x_src, ref, streams[k], attn_err[k])
+            del attend
+        del x_src, ref, native
+        run_src = lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=t.src_pe))  # noqa: E731
+        map_rows_inplace(run_src, streams["source"], ROW_BATCH)
+        map_rows_inplace(run_src, h_cal, ROW_BATCH)
+    for name, v in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
+        t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
+    return {"layer": layer, "beta": beta, "rope_components": {"virtual_head": plan.kept_j.tolist(),
+            "frequency_index": plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs}
+
+
+def _measure_stage(attend, module, fam: Family, x_src: torch.Tensor, ref: torch.Tensor, stream: torch.Tensor,
+                   stat: ErrorStat) -> float:
+    """Attention error of a stage on the source's inputs; its own stream advances through the layer."""
+    errs = []
+    for lo in range(0, stream.shape[0], ROW_BATCH):
+        rows = slice(lo, lo + ROW_BATCH)
+        errs.append(relative_errors(attend(x_src[rows]), ref[rows]))
+        stream[rows] = _run_stage_layer(module, fam, attend, stream[rows])
+    e = torch.cat(errs)
+    stat.add(e)
+    return float(e.mean())
+
+
+def _exact_by_group(aw: mla.AttnWeights, shape: mla.Shape, mom: torch.Tensor, t: _Targets, dev: str):
+    """The lossless rewrite (every key dim rotary, V as the latent), one KV group at a time.
+
+    The attention output is the sum of the groups' outputs, so this is the same function as the
+    whole-layer rewrite, without its dense H x (d + G d) x D query (G times the source's)."""
+    fns = []
+    for g in range(shape.G):
+        aw_g, shape_g = mla.group_weights(aw, shape, g)
+        plan = mla.identity_plan(shape_g, t.src_inv)
+        p = mla.build_stage(aw_g, plan, shape_g, mom, dtype=torch.float32, **{
+            **t.kw, "scale_tgt": (shape.d + plan.d_r) ** -0.5, "rope_tgt": t.kw["rope_src"]})
+        fns.append(_mla_fn(p, t.positions, dev)[0])
+    return (lambda x: sum(f(x) for f in fns)), None
 
 
 def _as_tensor(out):
