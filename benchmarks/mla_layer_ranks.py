@@ -31,11 +31,7 @@ def main() -> None:
     started = time.time()
     src, s, calib, held_out = prepare([*convert_args, "-o", "/nonexistent-attnkit-bench"])
     layers = src.config["num_hidden_layers"]
-    import torch
-
-    probe = torch.zeros(1, s.seq_len, src.shape.D)
-    src_pe = src.family.rotary_class()(src.hf_config)(probe, torch.arange(s.seq_len)[None])
-    scores = rope_score_pass(src, s, calib, src_pe)
+    scores = rope_score_pass(src, s, calib)
     spectra = spectra_pass(src, s, calib, s.rope_dim, scores)
     top = max_rank(src.shape, s.rope_dim)
     allocations = {

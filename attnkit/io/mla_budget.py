@@ -21,6 +21,7 @@ from attnkit.converters.mla_budget import budget_values, refine_candidates, spli
 from attnkit.converters.mla_metrics import ErrorStat, logits_metrics, relative_errors
 from attnkit.converters.mla_native import deepseek_config
 from attnkit.converters.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
+from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.io import mla_pipeline as pipe
 from attnkit.io.calib import embed_rows, map_rows
@@ -66,9 +67,16 @@ def target_for(src, s, rope_dim: int, counts: torch.Tensor | None, kv_lora_rank:
     return Target(inv, att, scale, cfg)
 
 
-def rope_score_pass(src, s, calib: torch.Tensor, src_pe) -> list[torch.Tensor]:
+def source_pe(src, length: int, device: str) -> tuple:
+    """The source's own (cos, sin) tables for positions 0..length-1."""
+    probe = torch.zeros(1, length, src.shape.D, device=device)
+    return src.family.rotary_class()(src.hf_config).to(device)(probe, torch.arange(length, device=device)[None])
+
+
+def rope_score_pass(src, s, calib: torch.Tensor) -> list[torch.Tensor]:
     """Every layer's RoPE component scores (a quarter of the calibration rows, at least 4)."""
     calib = calib[: max(4, calib.shape[0] // 4)]
+    src_pe = source_pe(src, calib.shape[1], s.device)
     h = embed_rows(src.ckpt, src.family.embed + ".weight", calib).to(s.device)
     scores = []
     for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rope scores", unit="layer"):
@@ -115,6 +123,14 @@ def prepare(argv: list[str]):
     return src, s, calib, held_out
 
 
+def refit_stage(p: mla.MLAParams, aw, plan, src, s, mom: torch.Tensor, norm1, h_cal: torch.Tensor) -> mla.MLAParams:
+    """The pipeline's `refit` stage: `p` with its NoPE query refit (weights from calibration rows)."""
+    src_inv, src_att = source_rope(src.family, src.hf_config)
+    with torch.no_grad():
+        x = norm1(h_cal[:REFIT_ROWS]) if s.refit_query == "attention" else h_cal[:1]
+    return refit_params(p, aw, plan, src, mom, distance_weights(s.refit_query, aw, src, x, src_inv, src_att), src_inv)
+
+
 def weights_needed(candidates: list[Candidate]) -> set[str]:
     return {c.refit for c in candidates} - {"off"}
 
@@ -129,10 +145,9 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     """(source perplexity, {candidate: kl, ppl, logits/attention errors}) on `rows` [N, seq_len]."""
     shape, dev, fam = src.shape, s.device, src.family
     src_inv, src_att = source_rope(fam, src.hf_config)
-    positions = torch.arange(s.seq_len, device=dev)
-    probe = torch.zeros(1, s.seq_len, shape.D, device=dev)
-    src_pe = fam.rotary_class()(src.hf_config).to(dev)(probe, positions[None])
-    scores = scores if scores is not None else rope_score_pass(src, s, calib, src_pe)
+    positions = torch.arange(rows.shape[1], device=dev)  # rows may be longer than the calibration rows
+    src_pe, cal_pe = source_pe(src, rows.shape[1], dev), source_pe(src, calib.shape[1], dev)
+    scores = scores if scores is not None else rope_score_pass(src, s, calib)
     targets = {}
     for c in candidates:
         counts = mla.slot_counts(scores, c.rope_dim)
@@ -165,9 +180,9 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
                 attend, _ = pipe._mla_fn(p, positions, dev)
                 attn_err[c.name].add(relative_errors(attend(x_src), ref))
                 streams[c.name] = pipe._run_stage_layer(module, fam, attend, streams[c.name])
-            run_src = lambda b: pipe._as_tensor(module(b, attention_mask=None, position_embeddings=src_pe))  # noqa: E731
-            streams["source"] = run_src(streams["source"])
-            h_cal = map_rows(run_src, h_cal, pipe.ROW_BATCH)
+            run = lambda pe: lambda b: pipe._as_tensor(module(b, attention_mask=None, position_embeddings=pe))  # noqa: E731
+            streams["source"] = run(src_pe)(streams["source"])
+            h_cal = map_rows(run(cal_pe), h_cal, pipe.ROW_BATCH)
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
     finals = {k: pipe._final_hidden(src, h, final_norm) for k, h in streams.items()}
     tied = bool(src.config.get("tie_word_embeddings", False))
@@ -185,9 +200,7 @@ def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores) -> list[tor
     """Every layer's descending latent PCA eigenvalues at this rope_dim (what each kept channel buys)."""
     shape, fam = src.shape, src.family
     src_inv, _ = source_rope(fam, src.hf_config)
-    positions = torch.arange(s.seq_len, device=s.device)
-    src_pe = fam.rotary_class()(src.hf_config).to(s.device)(torch.zeros(1, s.seq_len, shape.D, device=s.device),
-                                                             positions[None])
+    src_pe = source_pe(src, calib.shape[1], s.device)
     counts = mla.slot_counts(scores, rope_dim)
     tgt = target_for(src, s, rope_dim, counts, 2)
     h_cal = embed_rows(src.ckpt, fam.embed + ".weight", calib).to(s.device)
@@ -205,20 +218,31 @@ def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores) -> list[tor
     return spectra
 
 
-def choose_split(src, s, calib: torch.Tensor) -> dict:
+def selection_rows(tokenizer, s, calib: torch.Tensor, n_held: int) -> tuple[torch.Tensor, str]:
+    """Rows to choose on: validation text after the report's held-out rows (so the report stays an
+    unbiased check), else calibration rows (a small model may have memorised its training text)."""
+    n_sel = max(2, s.eval_tokens // s.seq_len)
+    try:
+        more = pack_tokens(tokenizer, s.calib, "validation", s.seq_len, (n_held + n_sel) * s.seq_len, s.seed)
+    except AttnkitError:
+        more = calib[:0]
+    if more.shape[0] > n_held:
+        return more[n_held:], f"{more.shape[0] - n_held} validation rows after the report's held-out rows"
+    return calib[: min(calib.shape[0], n_sel)], f"{min(calib.shape[0], n_sel)} calibration rows (no spare validation text)"
+
+
+def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int) -> dict:
     """--kv-budget: the uniform (kv_lora_rank, rope_dim) split with the lowest KL(source || converted)
-    on calibration rows, among an even grid of rope_dim and a refinement around the best.
-    Sets s.kv_lora_rank / s.rope_dim; returns the report's `kv_budget` section."""
+    on selection rows (`selection_rows`), among an even grid of rope_dim and a refinement around the
+    best. Sets s.kv_lora_rank / s.rope_dim; returns the report's `kv_budget` section."""
     shape, layers = src.shape, src.config["num_hidden_layers"]
     total = budget_values(shape, s.kv_budget)
     rope_cap = shape.d if s.rope_frequencies == "geometric" else shape.G * shape.d
     splits = split_candidates(shape, total, rope_cap)
     if not splits:
         raise AttnkitError(f"--kv-budget {s.kv_budget} is too small for this model ({total} values per token and layer)")
-    rows = calib[: max(2, min(calib.shape[0], s.eval_tokens // s.seq_len))]
-    probe = torch.zeros(1, s.seq_len, shape.D, device=s.device)
-    src_pe = src.family.rotary_class()(src.hf_config).to(s.device)(probe, torch.arange(s.seq_len, device=s.device)[None])
-    scores = rope_score_pass(src, s, calib, src_pe)
+    rows, rows_note = selection_rows(tokenizer, s, calib, n_held)
+    scores = rope_score_pass(src, s, calib)
     table = {}
     for round_ in range(2):
         cands = [Candidate(f"r{r}_dr{dr}", dr, [r] * layers, s.refit_query) for r, dr in splits]
@@ -233,12 +257,12 @@ def choose_split(src, s, calib: torch.Tensor) -> dict:
     rows_out = sorted(({"kv_lora_rank": m["ranks"][0], "rope_dim": m["rope_dim"], "kl": m["kl"], "ppl": m["ppl"],
                         "attn_rel_err_mean": m["attn_rel_err_mean"]} for m in table.values()), key=lambda m: m["rope_dim"])
     print(format_table(rows_out, s.kv_lora_rank, s.rope_dim, total, 2 * shape.G * shape.d))
-    return {"fraction": s.kv_budget, "values_per_token_layer": total, "measured_on": f"{rows.shape[0]} calibration rows",
+    return {"fraction": s.kv_budget, "values_per_token_layer": total, "measured_on": rows_note,
             "chosen": {"kv_lora_rank": s.kv_lora_rank, "rope_dim": s.rope_dim}, "candidates": rows_out}
 
 
 def format_table(rows: list[dict], rank: int, rope_dim: int, total: int, full: int) -> str:
-    lines = [f"--kv-budget: {total} of {full} cached values per token and layer; candidates on calibration rows:",
+    lines = [f"--kv-budget: {total} of {full} cached values per token and layer; candidates (KL on selection rows):",
              f"{'kv_lora_rank':>13}{'rope_dim':>10}{'KL':>11}{'ppl':>10}{'attn err':>11}"]
     for r in rows:
         mark = "  <- chosen" if (r["kv_lora_rank"], r["rope_dim"]) == (rank, rope_dim) else ""
