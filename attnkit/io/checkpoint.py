@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from attnkit.errors import AttnkitError
 
@@ -86,39 +85,84 @@ def _keys_of(path: Path) -> list[str]:
         raise AttnkitError(f"{path} is not a readable safetensors file ({exc})") from None
 
 
-class ShardedWriter:
-    """Collects tensors and flushes a shard whenever `max_shard_bytes` is reached.
+ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
 
-    Call `close()` at the end: it writes the last shard and the index (or renames a lone
-    shard to `model.safetensors`, the name transformers expects for unsharded weights).
+
+def safetensors_header(entries: list[tuple[str, torch.dtype, list[int]]]) -> bytes:
+    """The length-prefixed JSON header of a safetensors file whose tensors follow back to back
+    in `entries` order (safetensors requires contiguous offsets; the header is padded to 8 bytes)."""
+    header, offset = {}, 0
+    for name, dtype, shape in entries:
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        header[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, without a copy when it is contiguous."""
+    return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+class ShardedWriter:
+    """Writes tensors to disk as they arrive and closes a shard whenever `max_shard_bytes` is reached.
+
+    Nothing is buffered in memory: each tensor's bytes go to a scratch file per dtype at once; a
+    shard is assembled from them (header first, wider dtypes first for alignment) when it closes.
+    Call `close()` at the end: it writes the last shard and the index (or renames a lone shard to
+    `model.safetensors`, the name transformers expects for unsharded weights).
     """
 
     def __init__(self, folder: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
+        self._entries: dict[torch.dtype, list[tuple[str, torch.dtype, list[int]]]] = {}
+        self._scratch: dict[torch.dtype, object] = {}
         self._pending_bytes = 0
+        self._names: set[str] = set()
         self._shards: list[tuple[str, list[str]]] = []
         self._total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or any(name in names for _, names in self._shards):
+        if name in self._names:
             raise ValueError(f"tensor {name} written twice")
         nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+        if self._entries and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        if tensor.dtype not in self._scratch:
+            self._scratch[tensor.dtype] = open(self._scratch_path(tensor.dtype), "wb")
+            self._entries[tensor.dtype] = []
+        self._scratch[tensor.dtype].write(tensor_bytes(tensor))
+        self._entries[tensor.dtype].append((name, tensor.dtype, list(tensor.shape)))
+        self._names.add(name)
         self._pending_bytes += nbytes
         self._total += nbytes
 
+    def _scratch_path(self, dtype: torch.dtype) -> Path:
+        return self.folder / f".shard-{len(self._shards):05d}-{ST_DTYPES[dtype]}.part"
+
     def _flush(self) -> None:
-        if not self._pending:
+        if not self._entries:
             return
         shard = f"shard-{len(self._shards):05d}.safetensors"
-        save_file(self._pending, str(self.folder / shard), metadata={"format": "pt"})
-        self._shards.append((shard, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
+        order = sorted(self._entries, key=lambda dt: -dt.itemsize)
+        entries = [e for dt in order for e in self._entries[dt]]
+        with open(self.folder / shard, "wb") as out:
+            out.write(safetensors_header(entries))
+            for dt in order:
+                self._scratch[dt].close()
+                path = self._scratch_path(dt)
+                with open(path, "rb") as part:
+                    shutil.copyfileobj(part, out, 1 << 24)
+                path.unlink()
+        self._shards.append((shard, [name for name, _, _ in entries]))
+        self._entries, self._scratch, self._pending_bytes = {}, {}, 0
 
     def close(self) -> None:
         self._flush()

@@ -135,14 +135,19 @@ def _source_layer(src: Source, layer: int, device: str) -> torch.nn.Module:
 
 
 class _Fp32Linear(torch.nn.Module):
-    """A Linear whose weight stays in its (16-bit) storage dtype and is upcast to fp32 per call."""
+    """A Linear whose weight stays in its (16-bit) storage dtype and is upcast to fp32 per call,
+    a block of output rows at a time (an 8192 x 2048 weight would otherwise need 64 MB more)."""
+
+    BLOCK = 1 << 21  # weight elements upcast at once (8 MB in fp32)
 
     def __init__(self, lin: torch.nn.Linear):
         super().__init__()
         self.weight, self.bias = lin.weight, lin.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight.float(), None if self.bias is None else self.bias.float())
+        rows = max(1, self.BLOCK // self.weight.shape[1])
+        out = torch.cat([x @ self.weight[lo : lo + rows].float().T for lo in range(0, self.weight.shape[0], rows)], dim=-1)
+        return out if self.bias is None else out + self.bias.float()
 
 
 def attn_weights(module: torch.nn.Module, family: Family, shape: mla.Shape) -> mla.AttnWeights:

@@ -11,32 +11,23 @@ from pathlib import Path
 import torch
 
 from attnkit.io.calib import read_rows, tensor_rows
-from attnkit.io.checkpoint import INDEX_FILE, SINGLE_FILE
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+from attnkit.io.checkpoint import INDEX_FILE, SINGLE_FILE, safetensors_header, tensor_bytes
 
 
 def stream_tensors(ckpt, items: list[tuple[str, str]], path: Path, dtype: torch.dtype, chunk: int = 8192) -> list[str]:
     """Write [(out_name, source_name)] 2-D tensors to one safetensors file at `path`, converted to dtype."""
-    header, offset, shapes = {}, 0, []
+    entries, shapes = [], []
     for out_name, name in items:
         rows = tensor_rows(ckpt, name)
         cols = read_rows(ckpt.folder / ckpt.weight_map[name], name, 0, 1).shape[1]
-        nbytes = rows * cols * dtype.itemsize
-        header[out_name] = {"dtype": _ST_DTYPES[dtype], "shape": [rows, cols], "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
+        entries.append((out_name, dtype, [rows, cols]))
         shapes.append(rows)
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
+        f.write(safetensors_header(entries))
         for (_, name), rows in zip(items, shapes):
             src = ckpt.folder / ckpt.weight_map[name]
             for lo in range(0, rows, chunk):
-                block = read_rows(src, name, lo, min(rows, lo + chunk)).to(dtype).contiguous()
-                f.write(block.view(torch.uint8).numpy().tobytes())
+                f.write(tensor_bytes(read_rows(src, name, lo, min(rows, lo + chunk)).to(dtype)))
     return [out for out, _ in items]
 
 
