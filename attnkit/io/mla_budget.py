@@ -123,11 +123,10 @@ def prepare(argv: list[str]):
     return src, s, calib, held_out
 
 
-def refit_stage(p: mla.MLAParams, aw, plan, src, s, mom: torch.Tensor, norm1, h_cal: torch.Tensor) -> mla.MLAParams:
-    """The pipeline's `refit` stage: `p` with its NoPE query refit (weights from calibration rows)."""
+def refit_stage(p: mla.MLAParams, aw, plan, src, s, mom: torch.Tensor, x: torch.Tensor) -> mla.MLAParams:
+    """The pipeline's `refit` stage: `p` with its NoPE query refit; x [B, T, D] are the layer's normed
+    inputs on the first REFIT_ROWS calibration rows (the source's attention there gives the weights)."""
     src_inv, src_att = source_rope(src.family, src.hf_config)
-    with torch.no_grad():
-        x = norm1(h_cal[:REFIT_ROWS]) if s.refit_query == "attention" else h_cal[:1]
     return refit_params(p, aw, plan, src, mom, distance_weights(s.refit_query, aw, src, x, src_inv, src_att), src_inv)
 
 

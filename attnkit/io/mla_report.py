@@ -12,6 +12,8 @@ STEP_INFO = {
     "rope": "RoPE reduced to the shared d_r-dim key; the other key components lose RoPE",
     "balance": "K-NoPE scaled against V before the factorisation (exact by itself)",
     "low-rank": "joint activation-aware PCA of [K-NoPE; V] to kv_lora_rank - 1 channels",
+    "refit": "NoPE query refit by least squares to the source's RoPE'd scores (mean rotation over the "
+    "distances each head attends to)",
     "native": "DeepSeek-V3 layer as transformers runs it: latent RMSNorm with a constant channel, "
     "output dtype rounding",
 }
@@ -39,7 +41,8 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
     itemsize = s.out_dtype.itemsize
     full_rope = s.rope_dim == shape.G * shape.d and s.rope_frequencies == "exact"
     data_rank = 2 * shape.G * shape.d - s.rope_dim
-    exact = {"exact": True, "rope": full_rope, "balance": True, "low-rank": s.kv_lora_rank - 1 >= data_rank, "native": False}
+    exact = {"exact": True, "rope": full_rope, "balance": True, "low-rank": s.kv_lora_rank - 1 >= data_rank,
+             "refit": full_rope, "native": False}
     steps = []
     for name, m in metrics.items():
         steps.append({"name": name, "exact": exact[name], "what": STEP_INFO[name],
@@ -79,6 +82,10 @@ def format_report(report: dict) -> str:
     lines.append(f"KV cache bytes/token: {kv['before']} -> {kv['after']} ({100 * kv['after'] / kv['before']:.1f} %)")
     lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
                  f"(RoPE frequencies: {report['load']['rope_frequencies']})")
+    if report.get("kv_budget"):
+        b = report["kv_budget"]
+        lines.append(f"--kv-budget {b['fraction']}: chose kv_lora_rank {b['chosen']['kv_lora_rank']}, rope_dim "
+                     f"{b['chosen']['rope_dim']} among {len(b['candidates'])} measured splits ({b['measured_on']})")
     return "\n".join(lines)
 
 
