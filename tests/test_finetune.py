@@ -296,3 +296,23 @@ def test_constant_latent_channel_is_protected(tiny):
     assert lora_a.grad[:, rank - 1].abs().max() == 0 and lora_a.grad[:, 0].abs().max() > 0
     lora_b = lora.base_model.model.model.layers[0].self_attn.kv_a_proj_with_mqa.lora_B["default"].weight
     assert lora_b.grad[rank - 1].abs().max() == 0 and lora_b.grad[0].abs().max() > 0
+
+
+def test_position_ppl_scores_every_token_once_like_lm_eval(tiny):
+    """position_ppl's buckets partition exactly the tokens lm-eval's rolling windows score."""
+    from transformers import AutoModelForCausalLM
+
+    from attnkit.recipes.position_ppl import bucket_nll, windows
+
+    tokens = list(range(3, 3 + 70))
+    wins = windows(tokens, 0, 32)
+    assert sum(n for _, n in wins) == len(tokens) and all(len(t) <= 33 for t, _ in wins)
+    assert [t[-n:] for t, n in wins] == [tokens[i : i + 32] for i in range(0, 64, 32)] + [tokens[64:]]
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"]).eval()
+    acc = bucket_nll(model, tokens, 0, 32, buckets=((0, 8), (8, 32)))
+    assert int(acc[:, 1].sum()) == len(tokens)
+    direct = 0.0
+    for t, n in wins:
+        logits = model(input_ids=torch.tensor([t[:-1]])).logits[0]
+        direct += float(F.cross_entropy(logits[-n:], torch.tensor(t[-n:]), reduction="sum"))
+    assert float(acc[:, 0].sum()) == pytest.approx(direct, rel=1e-6)
