@@ -240,23 +240,28 @@ def attention_metrics(aw: AttnWeights, split: RopeSplit, shape: Shape, moment: t
 
 def build_stage(aw: AttnWeights, plan: RopePlan, shape: Shape, moment: torch.Tensor, *, scale_src: float,
                 scale_tgt: float, rope_src: float = 1.0, rope_tgt: float = 1.0, beta: float = 1.0,
-                rank: int | None = None, dtype: torch.dtype = torch.float64, metrics=None) -> MLAParams:
+                rank: int | None = None, dtype: torch.dtype = torch.float64, metrics=None,
+                map_dtype: torch.dtype | None = None) -> MLAParams:
     """MLA parameters for one layer: rope plan applied, K-NoPE scaled by beta, latent of `rank`
     (None = full, no factorisation) chosen by activation-aware PCA under `moment`. `dtype` is the
-    working precision (fp32 suffices for the exact rewrite, whose maps are 0/1)."""
+    working precision (fp32 suffices for the exact rewrite, whose maps are 0/1); `map_dtype` (default
+    `dtype`) that of the query and output maps, which are only rescaled and rotated."""
     H, G, d, D = shape.H, shape.G, shape.d, shape.D
     split = split_keys(aw, plan, shape, dtype)
     n, d_r = split.nope.shape[0], plan.d_r
-    q = _heads(augmented(aw.wq, aw.bq, dtype), H, d)  # [H, d, D+1]
     g_of = shape.group
     # Source scores carry rope_src^2 on every dim; the target's RoPE part carries rope_tgt^2.
     c_nope = (scale_src / scale_tgt) * rope_src**2
     c_pe = (scale_src / scale_tgt) * (rope_src / rope_tgt) ** 2
-    q_w = torch.empty(H, d + d_r, D, dtype=dtype)  # filled head by head: no [H, d + d_r, D] temporaries
-    q_b = torch.empty(H, d + d_r, dtype=dtype)
+    # built head by head: no [H, d, D+1] fp64 copy of the source query (a 1B model's is 34 MB)
+    w_dtype = map_dtype or dtype
+    q_w = torch.empty(H, d + d_r, D, dtype=w_dtype)
+    q_b = torch.empty(H, d + d_r, dtype=w_dtype)
     for h, g in enumerate(g_of.tolist()):
-        pe = split.q_pe[g] @ q[h]  # [d_r, D+1]
-        q_w[h, :d], q_b[h, :d] = q[h, :, :D] * c_nope, q[h, :, D] * c_nope
+        rows = slice(h * d, (h + 1) * d)
+        q_h = augmented(aw.wq[rows], None if aw.bq is None else aw.bq[rows], dtype)  # [d, D+1]
+        pe = split.q_pe[g] @ q_h  # [d_r, D+1]
+        q_w[h, :d], q_b[h, :d] = q_h[:, :D] * c_nope, q_h[:, D] * c_nope
         q_w[h, d:], q_b[h, d:] = pe[:, :D] * c_pe, pe[:, D] * c_pe
     latent = latent_rows(split, aw, beta, metrics, dtype)  # [n + G d, D+1]
     k_inv = v_inv = None
@@ -283,7 +288,7 @@ def build_stage(aw: AttnWeights, plan: RopePlan, shape: Shape, moment: torch.Ten
     return MLAParams(
         q_w=q_w, q_b=None if aw.bq is None else q_b,
         lat_w=lat_w, lat_b=lat_b, pe_w=split.pe[:, :D], pe_b=split.pe[:, D],
-        kvb_w=kvb_w, kvb_b=kvb_b, o_w=aw.wo.to(dtype), o_b=None if aw.bo is None else aw.bo.to(dtype),
+        kvb_w=kvb_w, kvb_b=kvb_b, o_w=aw.wo.to(w_dtype), o_b=None if aw.bo is None else aw.bo.to(w_dtype),
         inv_freq=plan.inv_freq, scale=scale_tgt, rope_scaling=rope_tgt,
     )
 

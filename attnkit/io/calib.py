@@ -52,8 +52,11 @@ class Moment:
     def __init__(self, dim: int, device="cpu"):
         self.sum = torch.zeros(dim + 1, dim + 1, dtype=torch.float64, device=device)
         self.max_norm = 0.0
+        self.normalised = False
 
     def add(self, x: torch.Tensor) -> None:
+        if self.normalised:
+            raise RuntimeError("Moment.add after .value")
         flat = x.reshape(-1, x.shape[-1]).double()
         aug = torch.cat([flat, torch.ones(flat.shape[0], 1, dtype=flat.dtype, device=flat.device)], dim=1)
         self.sum += aug.T @ aug
@@ -61,7 +64,11 @@ class Moment:
 
     @property
     def value(self) -> torch.Tensor:
-        return (self.sum / self.sum[-1, -1]).cpu()
+        """The moment (normalised in place on first use: the running sum is not kept twice)."""
+        if not self.normalised:
+            self.sum /= self.sum[-1, -1].clone()
+            self.normalised = True
+        return self.sum.cpu()
 
 
 def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: int = 4) -> torch.Tensor:
@@ -87,6 +94,17 @@ def read_rows(path, name: str, start: int, stop: int) -> torch.Tensor:
 def tensor_rows(ckpt, name: str) -> int:
     with safe_open(str(ckpt.folder / ckpt.weight_map[name]), framework="pt", device="cpu") as handle:
         return handle.get_slice(name).get_shape()[0]
+
+
+def embed_into(store, ckpt, name: str, ids: torch.Tensor, chunk: int = 4096) -> None:
+    """Embedding lookup of ids [rows, T] written token by token into a RowStore [rows, T, D],
+    reading the table a chunk of rows at a time (neither the table nor the result is ever whole)."""
+    path, flat = ckpt.folder / ckpt.weight_map[name], ids.reshape(-1)
+    for lo in range(0, tensor_rows(ckpt, name), chunk):
+        where = torch.nonzero((flat >= lo) & (flat < lo + chunk)).flatten()
+        if where.numel():
+            table = read_rows(path, name, lo, lo + chunk).float()
+            store.write_tokens(where, table[flat[where] - lo])
 
 
 def embed_rows(ckpt, name: str, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:

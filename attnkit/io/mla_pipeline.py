@@ -1,9 +1,10 @@
 """`attnkit convert --to mla`: the streaming driver around `attnkit.converters.mla`.
 
-Layer by layer: read the source layer's tensors, accumulate the input moment on calibration
-hidden states, build every stage of the conversion, run the held-out text through each stage
-(to measure its error), write the DeepSeek-V3 tensors, then push the calibration hidden states
-through the source layer to get the next layer's inputs. Only one layer is ever resident.
+Layer by layer: read the source layer's attention, accumulate the input moment on calibration
+hidden states, build every stage of the conversion and run the held-out text through each
+stage's attention (to measure its error); then drop the stages, load the layer's MLP, finish the
+layer for every stream and write the DeepSeek-V3 tensors. Only one layer's weights are ever
+resident, and the hidden states (calibration and held-out) wait in scratch files (`RowStore`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from attnkit.converters.mla_metrics import ErrorStat, logits_metrics, relative_e
 from attnkit.converters.mla_native import constant_for, deepseek_config, native_attention_tensors
 from attnkit.converters.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
 from attnkit.errors import AttnkitError
-from attnkit.io.calib import Moment, calibration_tokens, embed_rows, map_rows, map_rows_inplace, read_rows, tensor_rows
+from attnkit.io.calib import Moment, calibration_tokens, embed_into, read_rows, tensor_rows
+from attnkit.io.rowstore import RowStore
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.mla_report import build_report, format_report
 from attnkit.io.mla_settings import Settings, resolve_settings
@@ -51,10 +53,15 @@ class Source:
     prefix: str  # "model.layers."
 
 
-def _return_freed_memory() -> None:
-    """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap)."""
+def _return_freed_memory(trim: bool = False) -> None:
+    """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap);
+    `trim` also hands back the free pages inside the heap (what tokenising the calibration text
+    and a layer's small tensors leave behind)."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+        if trim:
+            libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -82,6 +89,7 @@ def convert(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise AttnkitError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}") from None
     calib, held_out, held_note = calibration_tokens(tokenizer, s.calib, s.seq_len, s.calib_tokens, s.eval_tokens, s.seed)
+    _return_freed_memory(trim=True)
     with atomic_output_dir(args.out, args.force) as tmp:
         report = _convert_into(tmp, src, s, calib, held_out)
         report["source"]["model"] = args.model
@@ -116,22 +124,40 @@ def _write_card(folder: Path) -> None:
     write_model_card(folder)
 
 
-def _source_layer(src: Source, layer: int, device: str) -> torch.nn.Module:
-    """The source decoder layer (transformers' own class) with its weights, fp32 on `device`."""
+def _source_layer(src: Source, layer: int, device: str, mlp: bool = True) -> torch.nn.Module:
+    """The source decoder layer (transformers' own class) with its weights, fp32 on `device`;
+    without `mlp` its MLP stays on the meta device until `_load_mlp`."""
     prefix = f"{src.prefix}{layer}."
-    names = [n for n in src.ckpt.keys() if n.startswith(prefix)]
+    names = [n for n in src.ckpt.keys() if n.startswith(prefix) and (mlp or ".mlp." not in n)]
     # MLP weights stay in the source dtype (upcast per call): they are most of a layer's bytes
     state = {n[len(prefix):]: src.ckpt.get(n, dtype=None if ".mlp." in n else torch.float32, device=device) for n in names}
     with torch.device("meta"):
         module = src.family.decoder_layer_class()(src.hf_config, layer)
     try:
-        module.load_state_dict(state, strict=True, assign=True)
+        missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+        if unexpected or any(mlp or not n.startswith("mlp.") for n in missing):
+            raise RuntimeError(f"missing {missing}, unexpected {unexpected}")
     except RuntimeError as exc:
         raise AttnkitError(f"layer {layer} of {src.path} does not match its config: {str(exc).splitlines()[0]}") from None
+    if mlp:
+        _upcast_mlp(module)
+    return module.eval()
+
+
+def _load_mlp(module: torch.nn.Module, src: Source, layer: int, device: str) -> None:
+    prefix = f"{src.prefix}{layer}.mlp."
+    state = {n[len(prefix):]: src.ckpt.get(n, device=device) for n in src.ckpt.keys() if n.startswith(prefix)}
+    try:
+        module.mlp.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise AttnkitError(f"layer {layer} of {src.path} does not match its config: {str(exc).splitlines()[0]}") from None
+    _upcast_mlp(module)
+
+
+def _upcast_mlp(module: torch.nn.Module) -> None:
     for name, child in list(module.mlp.named_children()):
         if isinstance(child, torch.nn.Linear) and child.weight.dtype != torch.float32:
             setattr(module.mlp, name, _Fp32Linear(child))
-    return module.eval()
 
 
 class _Fp32Linear(torch.nn.Module):
@@ -184,28 +210,37 @@ def _run_stage_layer(module, family, attend, h):
     return h + module.mlp(norm2(h))
 
 
-def _rope_counts(src: Source, s: Settings, calib: torch.Tensor, src_inv: torch.Tensor, src_pe) -> torch.Tensor:
+def _rope_counts(src: Source, s: Settings, calib: torch.Tensor, scratch: Path, src_pe) -> torch.Tensor:
     """Pre-pass (exact frequencies): every layer's component scores -> slots per frequency.
 
     Scores only rank components, so a quarter of the calibration rows (at least 4) is enough."""
-    calib = calib[: max(4, calib.shape[0] // 4)]
-    h = embed_rows(src.ckpt, src.family.embed + ".weight", calib).to(s.device)
+    h = _embedded(src, calib[: max(4, calib.shape[0] // 4)], scratch / "rope-prepass.f32")
     scores = []
     for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rope scores", unit="layer"):
         module = _source_layer(src, layer, s.device)
-        mom = _moment(module, src.family, h, src.shape).value
+        mom = _moment(module, src.family, h, src.shape, s.device).value
         scores.append(mla.rope_scores(_cpu_weights(module, src), mom, src.shape, s.rope_method)[1])
-        map_rows_inplace(lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)), h, ROW_BATCH)
+        h.map_(lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)), ROW_BATCH, s.device)
         del module
+    h.close()
     return mla.slot_counts(scores, s.rope_dim)
 
 
-def _moment(module, family: Family, h: torch.Tensor, shape: mla.Shape) -> Moment:
-    moment = Moment(shape.D, h.device)
+def _embedded(src: Source, ids: torch.Tensor, path: Path) -> RowStore:
+    store = RowStore(path, ids.shape[0], (ids.shape[1], src.shape.D))
+    embed_into(store, src.ckpt, src.family.embed + ".weight", ids)
+    return store
+
+
+def _moment(module, family: Family, h: RowStore | torch.Tensor, shape: mla.Shape, device: str | None = None) -> Moment:
+    """E[x~ x~^T] of the attention input (after the layer's first norm) over hidden states h."""
+    device = device or (h.device if isinstance(h, torch.Tensor) else "cpu")
+    moment = Moment(shape.D, device)
     norm1 = getattr(module, family.norms[0])
+    blocks = (b for _, b in h.blocks(ROW_BATCH)) if isinstance(h, RowStore) else torch.split(h, ROW_BATCH)
     with torch.no_grad():
-        for b in torch.split(h, ROW_BATCH):
-            moment.add(norm1(b))
+        for b in blocks:
+            moment.add(norm1(b.to(device)))
     return moment
 
 
@@ -232,6 +267,15 @@ class _Targets:
 
 
 def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tensor) -> dict:
+    scratch = tmp / ".scratch"
+    scratch.mkdir()
+    try:
+        return _convert_streams(tmp, scratch, src, s, calib, held_out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _convert_streams(tmp: Path, scratch: Path, src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tensor) -> dict:
     shape, dev, fam = src.shape, s.device, src.family
     src_inv, src_att = source_rope(fam, src.hf_config)
     src_rope = dict(src.hf_config.rope_parameters or {})
@@ -242,7 +286,7 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
     q_bias = _has_q_bias(src)
     counts = None
     if s.rope_frequencies == "exact":
-        counts = _rope_counts(src, s, calib, src_inv, src_pe)
+        counts = _rope_counts(src, s, calib, scratch, src_pe)
         slot_inv = src_inv[torch.arange(shape.d // 2).repeat_interleave(counts)]
         rope_params = exact_rope_parameters(slot_inv, theta, int(src.config.get("max_position_embeddings", 4096)), src_att)
     else:
@@ -259,14 +303,16 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
     t = _Targets(tgt_cfg, positions, src_pe, tgt_pe, src_inv, tgt_inv, counts,
                  dict(scale_src=_source_scale(src), scale_tgt=scale_tgt, rope_src=src_att, rope_tgt=tgt_att),
                  q_bias, ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes))
-    embed_name = fam.embed + ".weight"
-    h_cal = embed_rows(src.ckpt, embed_name, calib).to(dev)
-    h0 = embed_rows(src.ckpt, embed_name, held_out).to(dev)
-    streams = {"source": h0, **{k: h0.clone() for k in STAGES}}
+    h_cal = _embedded(src, calib, scratch / "calib.f32")
+    h0 = _embedded(src, held_out, scratch / "source.f32")
+    streams = {"source": h0, **{k: h0.copy(scratch / f"{k}.f32") for k in STAGES}}
     attn_err = {k: ErrorStat() for k in STAGES}
-    per_layer = [_convert_layer(src, s, t, layer, h_cal, streams, attn_err)
-                 for layer in tqdm(range(src.config["num_hidden_layers"]), desc="convert --to mla", unit="layer")]
-    del h_cal
+    per_layer = []
+    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="convert --to mla", unit="layer"):
+        per_layer.append(_convert_layer(src, s, t, layer, h_cal, streams, attn_err))
+        _return_freed_memory(trim=True)
+    h_cal.close()
+    embed_name = fam.embed + ".weight"
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
     t.writer.add("model.norm.weight", final_norm.to(s.out_dtype))
     tied = bool(src.config.get("tie_word_embeddings", False))
@@ -275,22 +321,26 @@ def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held
     big = [("model.embed_tokens.weight", embed_name)] + ([] if tied else [("lm_head.weight", head_name)])
     merge_index(tmp, "model-embeddings.safetensors", stream_tensors(src.ckpt, big, tmp / "model-embeddings.safetensors", s.out_dtype))
     tgt_cfg.to_json_file(str(tmp / "config.json"))
-    finals = {k: _final_hidden(src, streams.pop(k), final_norm) for k in list(streams)}
+    finals = {k: _final_hidden(src, store.all().to(dev), final_norm) for k, store in streams.items()}
+    for store in streams.values():
+        store.close()
     targets = held_out[:, 1:].reshape(-1).to(dev)
     src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in STAGES}, targets,
                                       lambda: _head_chunks(src.ckpt, head_name, dev))
     return build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
 
 
-def _convert_layer(src: Source, s: Settings, t: _Targets, layer: int, h_cal: torch.Tensor,
-                   streams: dict[str, torch.Tensor], attn_err: dict[str, ErrorStat]) -> dict:
-    """Convert, measure and write one layer; advances `h_cal` and every stream in place.
+def _convert_layer(src: Source, s: Settings, t: _Targets, layer: int, h_cal: RowStore,
+                   streams: dict[str, RowStore], attn_err: dict[str, ErrorStat]) -> dict:
+    """Convert, measure and write one layer; advances `h_cal` and every stream through it.
 
-    A function of its own so that everything the layer allocated is freed when it returns."""
+    Two phases, so that the stages and the MLP are never resident together: (1) attention only —
+    moment, stages, their errors, every stream's attention residual; (2) the MLP. A function of
+    its own so that everything the layer allocated is freed when it returns."""
     shape, dev, fam = src.shape, s.device, src.family
-    module = _source_layer(src, layer, dev)
-    norm1 = getattr(module, fam.norms[0])
-    moment = _moment(module, fam, h_cal, shape)
+    module = _source_layer(src, layer, dev, mlp=False)
+    norm1, norm2 = getattr(module, fam.norms[0]), getattr(module, fam.norms[1])
+    moment = _moment(module, fam, h_cal, shape, dev)
     mom, aw = moment.value, _cpu_weights(module, src)
     plan = mla.plan_rope(aw, mom, shape, s.rope_dim, s.rope_method, t.src_inv, s.rope_frequencies, t.tgt_inv, t.counts)
     split = mla.split_keys(aw, plan, shape)
@@ -300,24 +350,23 @@ def _convert_layer(src: Source, s: Settings, t: _Targets, layer: int, h_cal: tor
     # each stage is built, measured and dropped in turn: at most one stage's weights are resident
     builders = {
         "exact": lambda: _exact_by_group(aw, shape, mom, t, dev),
-        "rope": lambda: _mla_fn(mla.build_stage(aw, plan, shape, mom, **t.kw), t.positions, dev),
-        "balance": lambda: _mla_fn(mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, **t.kw), t.positions, dev),
+        "rope": lambda: _mla_fn(mla.build_stage(aw, plan, shape, mom, map_dtype=torch.float32, **t.kw), t.positions, dev),
+        "balance": lambda: _mla_fn(mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, map_dtype=torch.float32, **t.kw), t.positions, dev),
     }
+    source_attn = lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=None)[0]  # noqa: E731
     layer_errs = {}
     with torch.no_grad():
-        x_src = map_rows(norm1, streams["source"], ROW_BATCH)
-        ref = map_rows(lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=None)[0],
-                       x_src, ROW_BATCH)
         for k in STAGES:
             if k == "low-rank":
-                low_p = mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, rank=s.kv_lora_rank - 1, **t.kw)
+                low_p = mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, rank=s.kv_lora_rank - 1, map_dtype=torch.float32, **t.kw)
                 attend, p32 = _mla_fn(low_p, t.positions, dev)
-                z_max = float(map_rows(lambda b: (norm1(b) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax()[None],
-                                       h_cal, ROW_BATCH).max())
+                del low_p  # the native tensors are made from the fp32 copy (they are stored in <= fp32)
+                z_max = max(float((norm1(b.to(dev)) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax())
+                            for _, b in h_cal.blocks(ROW_BATCH))
             elif k == "native":
-                tensors = native_attention_tensors(low_p, shape, constant_for(z_max, s.out_dtype),
+                tensors = native_attention_tensors(_on(p32, "cpu"), shape, constant_for(z_max, s.out_dtype),
                                                    constant_for(moment.max_norm, s.out_dtype) if t.q_bias else None)
-                del low_p
+                del p32
                 tensors = {n: v.to(s.out_dtype) for n, v in tensors.items()}  # what is written, and measured
                 with torch.device("meta"):
                     native = DeepseekV3Attention(t.tgt_cfg, layer)
@@ -325,26 +374,29 @@ def _convert_layer(src: Source, s: Settings, t: _Targets, layer: int, h_cal: tor
                 attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=None)[0]  # noqa: E731
             else:
                 attend = builders[k]()[0]
-            layer_errs[k] = _measure_stage(attend, module, fam, x_src, ref, streams[k], attn_err[k])
+            layer_errs[k] = _measure_stage(attend, source_attn, norm1, streams["source"], streams[k], attn_err[k], dev)
             del attend
-        del x_src, ref, native
-        run_src = lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=t.src_pe))  # noqa: E731
-        map_rows_inplace(run_src, streams["source"], ROW_BATCH)
-        map_rows_inplace(run_src, h_cal, ROW_BATCH)
+        del native, aw, mom, moment, metrics, builders
+        for store in (streams["source"], h_cal):
+            store.map_(lambda h: h + source_attn(norm1(h)), ROW_BATCH, dev)
+        _load_mlp(module, src, layer, dev)
+        for store in (*streams.values(), h_cal):
+            store.map_(lambda h: h + module.mlp(norm2(h)), ROW_BATCH, dev)
     for name, v in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
         t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
     return {"layer": layer, "beta": beta, "rope_components": {"virtual_head": plan.kept_j.tolist(),
             "frequency_index": plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs}
 
 
-def _measure_stage(attend, module, fam: Family, x_src: torch.Tensor, ref: torch.Tensor, stream: torch.Tensor,
-                   stat: ErrorStat) -> float:
-    """Attention error of a stage on the source's inputs; its own stream advances through the layer."""
+def _measure_stage(attend, source_attn, norm1, source: RowStore, stream: RowStore, stat: ErrorStat, dev: str) -> float:
+    """A stage's attention error on the source's inputs; its own stream gets its attention residual
+    (the MLP half of the layer follows for every stream together)."""
     errs = []
-    for lo in range(0, stream.shape[0], ROW_BATCH):
-        rows = slice(lo, lo + ROW_BATCH)
-        errs.append(relative_errors(attend(x_src[rows]), ref[rows]))
-        stream[rows] = _run_stage_layer(module, fam, attend, stream[rows])
+    for lo, h in stream.blocks(ROW_BATCH):
+        x_src = norm1(source.read(lo, lo + ROW_BATCH).to(dev))
+        errs.append(relative_errors(attend(x_src), source_attn(x_src)))
+        h = h.to(dev)
+        stream.write(lo, h + attend(norm1(h)))
     e = torch.cat(errs)
     stat.add(e)
     return float(e.mean())
@@ -371,9 +423,12 @@ def _as_tensor(out):
 
 def _mla_fn(p: mla.MLAParams, positions: torch.Tensor, dev: str):
     """(attention function, its fp32 parameters on `dev`)."""
-    p32 = mla.to_dtype(p, torch.float32)
-    p32 = mla.MLAParams(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in p32.__dict__.items()})
+    p32 = _on(mla.to_dtype(p, torch.float32), dev)
     return (lambda x: mla.mla_attention(p32, x, positions)), p32
+
+
+def _on(p: mla.MLAParams, dev: str) -> mla.MLAParams:
+    return mla.MLAParams(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in p.__dict__.items()})
 
 
 def _final_hidden(src: Source, h: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
