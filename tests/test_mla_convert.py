@@ -54,7 +54,7 @@ def test_full_size_is_exact_and_loads_natively(tmp_path, calib, kind):
     assert _logits_rel(src, tmp_path / "out") < 1e-4
     report = json.loads((tmp_path / "out" / "attnkit_report.json").read_text())
     assert report["method"] == "mla" and report["load"]["trust_remote_code"] is False
-    assert [s["name"] for s in report["steps"]] == ["exact", "rope", "balance", "low-rank", "native"]
+    assert [s["name"] for s in report["steps"]] == ["exact", "rope", "balance", "low-rank", "refit", "native"]
     assert all(s["logits_rel_err_max"] < 1e-4 for s in report["steps"])
     assert abs(report["ppl"]["after"] / report["ppl"]["before"] - 1) < 1e-4
 

@@ -1,6 +1,7 @@
 """Query least-squares refit (attnkit.converters.mla_refit): exact where it must be, and it lowers
 the score error it minimises on the calibration data."""
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -122,3 +123,30 @@ def test_refit_fixes_a_latent_that_is_not_a_least_squares_reconstruction():
     w[:, 0] = 1.0  # Rbar = I: only the truncation is corrected
     after = refit.refit_query(bad, ref, mom)
     assert _score_error(after, _aug_q(bad, 8), ref, flat, w, inv, 8) < 0.9 * _score_error(bad, _aug_q(bad, 8), ref, flat, w, inv, 8)
+
+
+@pytest.mark.slow
+def test_conversion_has_a_refit_stage_by_default_and_not_with_no_refit_query(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    from attnkit.cli import main
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from mla_fixtures import calib_folder, save_model
+
+    src, calib = save_model(tmp_path / "src", "qwen2"), calib_folder(tmp_path / "calib")  # query bias too
+    fast = ["--calib", str(calib), "--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128",
+            "--kv-lora-rank", "20", "--rope-dim", "16"]
+    steps = {}
+    for flag in ("--refit-query", "--no-refit-query"):
+        assert main(["convert", "--to", "mla", str(src), "-o", str(tmp_path / flag), *fast, flag]) == 0
+        report = json.loads((tmp_path / flag / "attnkit_report.json").read_text())
+        steps[flag] = {s["name"]: s for s in report["steps"]}
+        assert report["settings"]["refit_query"] == ("attention" if flag == "--refit-query" else "off")
+    assert list(steps["--refit-query"]) == ["exact", "rope", "balance", "low-rank", "refit", "native"]
+    assert list(steps["--no-refit-query"]) == ["exact", "rope", "balance", "low-rank", "native"]
+    # same calibration, same latent: the stages before the refit are identical
+    assert steps["--refit-query"]["low-rank"]["kl"] == steps["--no-refit-query"]["low-rank"]["kl"]
+    assert steps["--refit-query"]["refit"]["kl"] != steps["--refit-query"]["low-rank"]["kl"]

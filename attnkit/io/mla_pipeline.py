@@ -37,6 +37,7 @@ from attnkit.io.stream_copy import merge_index, stream_tensors
 from attnkit.io.resolve import check_causal_lm, resolve_model
 
 STAGES = ("exact", "rope", "balance", "low-rank", "native")
+REFIT_STAGES = ("exact", "rope", "balance", "low-rank", "refit", "native")  # with --refit-query
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 ROW_BATCH = 1
@@ -89,10 +90,15 @@ def convert(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise AttnkitError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}") from None
     calib, held_out, held_note = calibration_tokens(tokenizer, s.calib, s.seq_len, s.calib_tokens, s.eval_tokens, s.seed)
+    if s.kv_budget is not None:  # measured choice of (kv_lora_rank, rope_dim); sets them in s
+        from attnkit.io.mla_budget import choose_split
+        budget = choose_split(src, s, calib, tokenizer, held_out.shape[0])
     _return_freed_memory(trim=True)
     with atomic_output_dir(args.out, args.force) as tmp:
         report = _convert_into(tmp, src, s, calib, held_out)
         report["source"]["model"] = args.model
+        if s.kv_budget is not None:
+            report["kv_budget"] = budget
         report["calibration"].update(held_out_from=held_note, calib_rows=int(calib.shape[0]), held_out_rows=int(held_out.shape[0]))
         report["wall_time_s"] = round(time.time() - started, 2)
         for name in COPY_FILES:
@@ -305,8 +311,9 @@ def _convert_streams(tmp: Path, scratch: Path, src: Source, s: Settings, calib: 
                  q_bias, ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes))
     h_cal = _embedded(src, calib, scratch / "calib.f32")
     h0 = _embedded(src, held_out, scratch / "source.f32")
-    streams = {"source": h0, **{k: h0.copy(scratch / f"{k}.f32") for k in STAGES}}
-    attn_err = {k: ErrorStat() for k in STAGES}
+    stages = STAGES if s.refit_query == "off" else REFIT_STAGES
+    streams = {"source": h0, **{k: h0.copy(scratch / f"{k}.f32") for k in stages}}
+    attn_err = {k: ErrorStat() for k in stages}
     per_layer = []
     for layer in tqdm(range(src.config["num_hidden_layers"]), desc="convert --to mla", unit="layer"):
         per_layer.append(_convert_layer(src, s, t, layer, h_cal, streams, attn_err))
@@ -325,7 +332,7 @@ def _convert_streams(tmp: Path, scratch: Path, src: Source, s: Settings, calib: 
     for store in streams.values():
         store.close()
     targets = held_out[:, 1:].reshape(-1).to(dev)
-    src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in STAGES}, targets,
+    src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
                                       lambda: _head_chunks(src.ckpt, head_name, dev))
     return build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
 
@@ -356,13 +363,17 @@ def _convert_layer(src: Source, s: Settings, t: _Targets, layer: int, h_cal: Row
     source_attn = lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=None)[0]  # noqa: E731
     layer_errs = {}
     with torch.no_grad():
-        for k in STAGES:
+        for k in [k for k in REFIT_STAGES if k in streams]:  # the stages this run measures, in order
             if k == "low-rank":
                 low_p = mla.build_stage(aw, plan, shape, mom, beta=beta, metrics=metrics, rank=s.kv_lora_rank - 1, map_dtype=torch.float32, **t.kw)
                 attend, p32 = _mla_fn(low_p, t.positions, dev)
                 del low_p  # the native tensors are made from the fp32 copy (they are stored in <= fp32)
                 z_max = max(float((norm1(b.to(dev)) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax())
                             for _, b in h_cal.blocks(ROW_BATCH))
+            elif k == "refit":
+                from attnkit.io.mla_budget import REFIT_ROWS, refit_stage
+                x = norm1(h_cal.read(0, REFIT_ROWS).to(dev))
+                attend, p32 = _mla_fn(refit_stage(_on(p32, "cpu"), aw, plan, src, s, mom, x), t.positions, dev)
             elif k == "native":
                 tensors = native_attention_tensors(_on(p32, "cpu"), shape, constant_for(z_max, s.out_dtype),
                                                    constant_for(moment.max_norm, s.out_dtype) if t.q_bias else None)

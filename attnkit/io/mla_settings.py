@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from attnkit.converters.mla import Shape
+from attnkit.converters.mla_budget import budget_values, max_rank
 from attnkit.errors import AttnkitError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -32,6 +33,8 @@ class Settings:
     out_dtype: torch.dtype
     src_itemsize: int
     max_shard_bytes: int = 1 << 27
+    refit_query: str = "attention"  # off | attention | uniform: distance weights of the query refit
+    kv_budget: float | None = None  # fraction of the source's KV bytes; the split is then measured
 
     def public(self) -> dict:
         d = asdict(self)
@@ -40,18 +43,14 @@ class Settings:
         return d
 
 
-def max_rank(shape: Shape, rope_dim: int) -> int:
-    """2 G d - d_r data channels (K-NoPE and V) + 1 constant channel."""
-    return 2 * shape.G * shape.d - rope_dim + 1
-
-
 def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, config: dict) -> Settings:
     if shape.d % 2:
         raise AttnkitError(f"head_dim {shape.d} is odd: rotate-half RoPE needs an even head dim")
-    if getattr(args, "kv_budget", None) is not None:
-        raise AttnkitError("--kv-budget is not supported yet; choose --kv-lora-rank and --rope-dim")
     geometric = args.rope_frequencies == "geometric"
     rope_cap = shape.d if geometric else shape.G * shape.d
+    budget = getattr(args, "kv_budget", None)
+    if budget is not None:
+        _check_budget(args, shape, budget)
     if args.rope_dim is None:
         rope_dim = min(DEFAULT_ROPE_DIM, rope_cap)
     else:
@@ -79,7 +78,26 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, config: dict)
         calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
         seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=NAMES.get(out_dtype, "float32"),
         out_dtype=out_dtype, src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
+        refit_query=_refit_mode(getattr(args, "refit_query", True) and getattr(args, "refit_weights", "attention")),
+        kv_budget=budget,
     )
+
+
+def _refit_mode(value) -> str:
+    """off, or the distance weights (--refit-weights) when --refit-query is on."""
+    if not value:
+        return "off"
+    return str(value)
+
+
+def _check_budget(args: argparse.Namespace, shape: Shape, budget: float) -> None:
+    if args.kv_lora_rank is not None or args.rope_dim is not None:
+        raise AttnkitError("--kv-budget chooses --kv-lora-rank and --rope-dim itself; give either the budget or the two ranks")
+    if not 0 < budget <= 1:
+        raise AttnkitError(f"--kv-budget must be a fraction in (0, 1], got {budget}")
+    if budget_values(shape, budget) < 4:
+        raise AttnkitError(f"--kv-budget {budget} leaves {budget_values(shape, budget)} cached values per token "
+                           f"and layer; MLA needs at least 4 (2 RoPE + 2 latent channels)")
 
 
 def _source_dtype(ckpt, config: dict) -> torch.dtype:

@@ -1,0 +1,78 @@
+"""--kv-budget: candidate splits, per-layer allocation arithmetic, option errors and the end-to-end choice."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from attnkit.cli import main
+from attnkit.converters.mla import Shape
+from attnkit.converters.mla_budget import allocate_ranks, budget_values, max_rank, refine_candidates, split_candidates
+
+
+@settings(max_examples=30, deadline=None)
+@given(G=st.sampled_from([1, 2, 8]), d=st.sampled_from([16, 64, 128]), frac=st.floats(0.05, 1.0),
+       geometric=st.booleans())
+def test_candidates_fit_the_budget(G, d, frac, geometric):
+    shape = Shape(4 * G * d // 4, 4 * G, G, d)
+    total = budget_values(shape, frac)
+    cap = d if geometric else G * d
+    cands = split_candidates(shape, total, cap)
+    assert total <= frac * 2 * G * d + 1e-6
+    for rank, dr in cands:
+        assert dr % 2 == 0 and 2 <= dr <= cap and 2 <= rank <= max_rank(shape, dr) and rank + dr <= total
+    assert len({dr for _, dr in cands}) == len(cands)
+    if total >= 4:
+        assert cands, "a budget of 4+ values always has a candidate"
+        tried = [dr for _, dr in cands]
+        for rank, dr in refine_candidates(shape, total, tried, tried[len(tried) // 2], cap):
+            assert dr not in tried and dr % 2 == 0 and rank + dr <= total and rank <= max_rank(shape, dr)
+
+
+def test_allocation_sums_to_the_total_and_follows_the_gains():
+    flat, steep = torch.ones(20), torch.tensor([2.0**-k for k in range(20)])
+    ranks = allocate_ranks([steep, flat], 24, 2, 21, relative=False)
+    assert sum(ranks) == 24 and ranks[1] > ranks[0] and all(2 <= r <= 21 for r in ranks)
+    # relative gains: a layer with 10x the energy but the same shape gets the same rank
+    ranks = allocate_ranks([10 * steep, steep], 20, 2, 21, relative=True)
+    assert ranks[0] == ranks[1] == 10
+    assert allocate_ranks([steep, flat], 4, 2, 21) == [2, 2]
+
+
+def _convert(tmp_path, *extra):
+    return main(["convert", "--to", "mla", "reference", "-o", str(tmp_path / "out"), *extra])
+
+
+def test_budget_with_explicit_ranks_is_a_one_line_error(tmp_path, capsys):
+    assert _convert(tmp_path, "--kv-budget", "0.3", "--kv-lora-rank", "28") == 2
+    err = capsys.readouterr().err.strip()
+    assert "--kv-budget" in err and "\n" not in err and not (tmp_path / "out").exists()
+    for bad in ("0", "1.5", "-0.2", "0.01"):
+        assert _convert(tmp_path, "--kv-budget", bad) == 2
+        assert "--kv-budget" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from mla_fixtures import calib_folder, save_model
+
+    src = save_model(tmp_path / "src", "llama")  # G 2, d 16: 64 cached values per token and layer
+    calib = calib_folder(tmp_path / "calib")
+    out = tmp_path / "out"
+    assert main(["convert", "--to", "mla", str(src), "-o", str(out), "--calib", str(calib), "--calib-tokens", "256",
+                 "--calib-seq-len", "32", "--eval-tokens", "128", "--kv-budget", "0.5"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "attnkit_report.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    b = report["kv_budget"]
+    assert b["values_per_token_layer"] == 32 and len(b["candidates"]) >= 3
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (b["chosen"]["kv_lora_rank"], b["chosen"]["rope_dim"])
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] <= 32 and report["kv_cache_fraction"] <= 0.5
+    best = min(b["candidates"], key=lambda c: c["kl"])
+    assert (best["kv_lora_rank"], best["rope_dim"]) == (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
+    assert "<- chosen" in printed and "--kv-budget 0.5: chose" in printed
