@@ -183,6 +183,7 @@ def test_stale_cache_is_refused_untouched_or_rebuilt(tiny, tmp_path, capsys):  #
     assert (tmp_path / "other" / "x.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_resume_with_cache_matches_uninterrupted(tiny, tmp_path, monkeypatch):  # noqa: F811
     import attnkit.recipes.finetune as ft
 
