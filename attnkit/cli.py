@@ -67,7 +67,7 @@ def _add_convert(sub) -> None:
     )
     mla.add_argument("--objective", choices=["kv", "attention"], default="attention", help="latent PCA metric: kv = balanced K/V energy; attention = query-weighted keys, o_proj-weighted values")
     mla.add_argument("--eval-tokens", type=int, default=4096, metavar="N", help="held-out tokens for the per-step error report")
-    mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, --rope-dim) split is chosen by measuring candidates on calibration text")
+    mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, --rope-dim) split is chosen by measuring candidate conversions on held-out text")
     mla.add_argument("--refit-query", action=argparse.BooleanOptionalAction, default=True, help="least-squares refit of the NoPE query to the source's RoPE'd scores (report stage 'refit'; default on, measured better)")
     mla.add_argument("--refit-weights", choices=["attention", "uniform"], default="attention", help="distances the refit averages RoPE over: the source's attention mass, or uniform over causal pairs")
     dex = p.add_argument_group("DEX (--to dex)")
