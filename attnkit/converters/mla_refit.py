@@ -61,11 +61,13 @@ def causal_attention_by_distance(aw: AttnWeights, shape: Shape, x: torch.Tensor,
     cos, sin = cos_sin(inv_freq, torch.arange(T), rope_scaling)  # [T, d]
     q = apply_rope(q.transpose(1, 2), cos.double(), sin.double())  # [B, H, T, d]
     k = apply_rope(k.transpose(1, 2), cos.double(), sin.double())[:, shape.group]  # [B, H, T, d]
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, H, T(query), T(key)]
     future = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(-1).sum(0)  # [H, T, T]
-    t, s = torch.tril_indices(T, T)  # every causal (query, key) pair
-    weights = torch.zeros(H, T, dtype=torch.float64).index_add_(1, t - s, probs[:, t, s])
+    delta = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp_min(0).flatten()  # t - s (future: 0, p = 0)
+    weights = torch.zeros(H, T, dtype=torch.float64)
+    for h in range(H):  # one head at a time: [B, T, T] temporaries only (a 32-head layer at T 512 would need 67 MB each)
+        scores = (q[:, h] @ k[:, h].transpose(-1, -2)) * scale  # [B, T(query), T(key)]
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1).sum(0)  # [T, T]
+        weights[h].index_add_(0, delta, probs.flatten())
     return weights / (B * T)
 
 
