@@ -73,7 +73,7 @@ def _score_error(p, p_ref_q, ref_keys, flat, w, inv, d):
                          if p.q_b is not None else torch.cat([p.q_w[:, :d], torch.zeros_like(p.q_w[:, :d, :1])], -1))
     q_src = torch.einsum("na,hea->hne", flat, p_ref_q)
     k_new = torch.einsum("na,hea->hne", flat, refit.stage_keys(p))
-    k_src = torch.einsum("na,hea->hne", flat, ref_keys)
+    k_src = torch.einsum("na,hea->hne", flat, ref_keys.repeat_interleave(p.q_w.shape[0] // ref_keys.shape[0], 0))
     s_new = q_new @ k_new.transpose(1, 2)  # [H, N, N]
     ang = torch.arange(w.shape[1], dtype=torch.float64)[:, None] * inv  # [Delta, d/2]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)  # [Delta, d]

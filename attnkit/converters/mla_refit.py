@@ -31,20 +31,25 @@ from attnkit.converters.rope import apply_rope, cos_sin
 
 
 def rope_stage_keys(aw: AttnWeights, plan: RopePlan, shape: Shape) -> torch.Tensor:
-    """[H, d, D+1] augmented NoPE key rows of every query head before any truncation (fp64)."""
+    """[G, d, D+1] augmented NoPE key rows of every KV group before any truncation (fp64); query
+    head h scores against group h // (H / G)."""
     split = split_keys(aw, plan, shape)
-    return torch.einsum("gdn,na->gda", split.back, split.nope)[shape.group]
+    return torch.einsum("gdn,na->gda", split.back, split.nope)
+
+
+def _head_keys(p: MLAParams, lat: torch.Tensor, h: int) -> torch.Tensor:
+    """[d, D+1] augmented NoPE key rows of head h in stage p (lat = [lat_w | lat_b], fp64)."""
+    d = p.o_w.shape[1] // p.q_w.shape[0]
+    keys = p.kvb_w[h, :d].double() @ lat
+    if p.kvb_b is not None:
+        keys[:, -1] += p.kvb_b[h, :d].double()
+    return keys
 
 
 def stage_keys(p: MLAParams) -> torch.Tensor:
     """[H, d, D+1] augmented NoPE key rows a stage really computes (latent -> kv_b_proj K rows)."""
-    H, D = p.q_w.shape[0], p.q_w.shape[2]
-    d = p.o_w.shape[1] // H
     lat = augmented(p.lat_w, p.lat_b)  # [m, D+1]
-    keys = torch.einsum("hem,ma->hea", p.kvb_w[:, :d].double(), lat)
-    if p.kvb_b is not None:
-        keys[..., D] += p.kvb_b[:, :d].double()
-    return keys
+    return torch.stack([_head_keys(p, lat, h) for h in range(p.q_w.shape[0])])
 
 
 def causal_attention_by_distance(aw: AttnWeights, shape: Shape, x: torch.Tensor, inv_freq: torch.Tensor,
@@ -110,10 +115,17 @@ def query_maps(new_keys: torch.Tensor, ref_keys: torch.Tensor, moment: torch.Ten
 
 def refit_query(p: MLAParams, ref_keys: torch.Tensor, moment: torch.Tensor,
                 mean_cos: torch.Tensor | None = None, mean_sin: torch.Tensor | None = None) -> MLAParams:
-    """`p` with each head's NoPE query rows (and bias) replaced by T_h q_h (see `query_maps`)."""
+    """`p` with each head's NoPE query rows (and bias) replaced by T_h q_h (see `query_maps`).
+
+    ref_keys [G or H, d, D+1] (`rope_stage_keys`); computed head by head ([d, D+1] temporaries)."""
     H = p.q_w.shape[0]
     d = p.o_w.shape[1] // H
-    t = query_maps(stage_keys(p), ref_keys, moment, mean_cos, mean_sin).to(p.q_w.dtype)
+    lat, mom, per = augmented(p.lat_w, p.lat_b), moment.double(), H // ref_keys.shape[0]
+    t = torch.empty(H, d, d, dtype=torch.float64)
+    for h in range(H):
+        rot = (None, None) if mean_cos is None else (mean_cos[h : h + 1], mean_sin[h : h + 1])
+        t[h] = query_maps(_head_keys(p, lat, h)[None], ref_keys[h // per][None], mom, *rot)[0]
+    t = t.to(p.q_w.dtype)
     q_w = p.q_w.clone()
     q_w[:, :d] = t @ p.q_w[:, :d]  # [H, d, d] @ [H, d, D]
     q_b = p.q_b
