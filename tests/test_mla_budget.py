@@ -65,7 +65,7 @@ def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys):
     calib = calib_folder(tmp_path / "calib")
     out = tmp_path / "out"
     assert main(["convert", "--to", "mla", str(src), "-o", str(out), "--calib", str(calib), "--calib-tokens", "256",
-                 "--calib-seq-len", "32", "--eval-tokens", "128", "--kv-budget", "0.5"]) == 0
+                 "--calib-seq-len", "32", "--eval-tokens", "64", "--kv-budget", "0.5"]) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "attnkit_report.json").read_text())
     cfg = json.loads((out / "config.json").read_text())
