@@ -3,15 +3,15 @@
     python benchmarks/convert_memory.py [--work /tmp/attnkit-mem] [--layers 16] [--calib-tokens 8192]
 
 The source checkpoint (sharded bf16 safetensors, tied embeddings, llama3 RoPE scaling) is built
-tensor by tensor, never whole. The conversion runs in a child process; its peak RSS comes from
-getrusage(RUSAGE_CHILDREN). The result (JSON) is printed and written beside --work.
+tensor by tensor, never whole. The conversion runs in a child process that reports its own peak
+RSS (VmHWM, `attnkit.evaluation.peak`; getrusage of children would include this process's peak).
+The result (JSON) is printed and written beside --work.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -84,22 +84,23 @@ def main() -> None:
         build_source(src, args.layers)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     shutil.rmtree(out, ignore_errors=True)
-    base = [sys.executable, "-c", "import attnkit.io.mla_pipeline"]
-    t0 = time.time()
-    subprocess.run(base, check=True)
-    import_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    cmd = [sys.executable, "-m", "attnkit.cli", "convert", "--to", "mla", str(src), "-o", str(out),
+    from attnkit.evaluation.peak import run_with_peak
+
+    probe = "import attnkit.io.mla_pipeline; print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+    import_rss = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout) * 1024
+    cmd = ["convert", "--to", "mla", str(src), "-o", str(out),
            "--calib-tokens", str(args.calib_tokens), "--eval-tokens", str(args.eval_tokens), *args.extra.split()]
     t0 = time.time()
-    subprocess.run(cmd, check=True)
+    code, peak, err = run_with_peak(cmd, quiet=False)
     wall = time.time() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if code != 0:
+        sys.exit(f"conversion failed: {err}")
     result = {
-        "command": " ".join(cmd[1:]),
+        "command": "attnkit " + " ".join(cmd),
         "source_bytes": size,
         "peak_rss_bytes": peak,
         "peak_rss_fraction_of_checkpoint": peak / size,
-        "import_only_rss_bytes": import_rss,
+        "import_only_rss_bytes": import_rss,  # interpreter + torch + transformers + attnkit, nothing converted
         "wall_time_s": round(wall, 1),
         "threads": torch.get_num_threads(),
         "output_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),

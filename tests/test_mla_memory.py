@@ -1,0 +1,64 @@
+"""The MLA conversion streams: its peak memory does not grow with the number of layers, and the
+scratch stores it keeps hidden states in are exact."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnkit.evaluation.peak import run_with_peak
+from attnkit.io.calib import embed_into, embed_rows
+from attnkit.io.checkpoint import LazyCheckpoint
+from attnkit.io.rowstore import RowStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mla_fixtures import calib_folder, save_model  # noqa: E402
+
+WIDE = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+
+
+def _peak_rss(args: list[str]) -> int:
+    code, peak, err = run_with_peak(args, env={"TQDM_DISABLE": "1"})
+    assert code == 0 and peak > 0, err
+    return peak
+
+
+@pytest.mark.slow
+def test_peak_memory_does_not_grow_with_layers(tmp_path):
+    calib = calib_folder(tmp_path / "calib")
+    peaks, layer_bytes = {}, None
+    for layers in (2, 8):
+        src = save_model(tmp_path / f"src{layers}", "llama", num_hidden_layers=layers, **WIDE)
+        ck = LazyCheckpoint(src)
+        layer_bytes = sum(ck.get(n).numel() * 4 for n in ck.keys() if n.startswith("model.layers.0."))
+        peaks[layers] = _peak_rss(["convert", "--to", "mla", str(src), "-o", str(tmp_path / f"out{layers}"),
+                                   "--calib", str(calib), "--calib-tokens", "2048", "--calib-seq-len", "128",
+                                   "--eval-tokens", "512", "--kv-lora-rank", "64", "--rope-dim", "32"])
+    # six more layers (~100 MB of fp32 weights) may not add more than a fraction of one layer
+    assert peaks[8] - peaks[2] < 0.75 * layer_bytes, (peaks, layer_bytes)
+
+
+def test_row_store_round_trip_and_in_place_map(tmp_path):
+    t = torch.randn(5, 3, 4)
+    store = RowStore.from_tensor(tmp_path / "a.f32", t)
+    assert torch.equal(store.all(), t) and torch.equal(store.read(1, 3), t[1:3]) and store.read(4, 9).shape[0] == 1
+    store.map_(lambda x: x * 2 + 1, rows=2)
+    assert torch.equal(store.all(), t * 2 + 1)
+    other = store.copy(tmp_path / "b.f32", rows=3)
+    store.write(0, torch.zeros(1, 3, 4))
+    assert torch.equal(other.all(), t * 2 + 1) and torch.equal(store.read(0, 1), torch.zeros(1, 3, 4))
+    for s in (store, other):
+        s.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_embed_into_equals_a_table_lookup(tmp_path):
+    src = save_model(tmp_path / "src", "llama")
+    ck = LazyCheckpoint(src)
+    ids = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(0))
+    store = RowStore(tmp_path / "e.f32", 3, (7, 64))
+    embed_into(store, ck, "model.embed_tokens.weight", ids, chunk=16)  # several table chunks
+    table = ck.get("model.embed_tokens.weight")
+    assert torch.equal(store.all(), table[ids]) and torch.equal(embed_rows(ck, "model.embed_tokens.weight", ids), table[ids])
+    store.close()
