@@ -85,7 +85,7 @@ def constant_latent_channels(attn: torch.nn.Module) -> list[int]:
     if getattr(proj, "bias", None) is None:
         return []
     rank = getattr(up, "base_layer", up).in_features
-    weight, bias = proj.weight[:rank], proj.bias[:rank]  # [r, D], [r]
+    weight, bias = proj.weight.detach()[:rank], proj.bias.detach()[:rank]  # [r, D], [r]
     return [c for c in range(rank) if bool(weight[c].eq(0).all()) and float(bias[c]) != 0.0]
 
 
