@@ -77,14 +77,6 @@ def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: 
         return torch.cat([fn(b) for b in batches(h, rows)])
 
 
-def map_rows_inplace(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: int = 1) -> torch.Tensor:
-    """Replace h batch by batch with fn(h) (same shape): no second copy of the hidden states."""
-    with torch.no_grad():
-        for start in range(0, h.shape[0], rows):
-            h[start : start + rows] = fn(h[start : start + rows])
-    return h
-
-
 def read_rows(path, name: str, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of a 2-D tensor in a safetensors file, without reading the rest."""
     with safe_open(str(path), framework="pt", device="cpu") as handle:
@@ -96,27 +88,27 @@ def tensor_rows(ckpt, name: str) -> int:
         return handle.get_slice(name).get_shape()[0]
 
 
-def embed_into(store, ckpt, name: str, ids: torch.Tensor, chunk: int = 4096) -> None:
-    """Embedding lookup of ids [rows, T] written token by token into a RowStore [rows, T, D],
-    reading the table a chunk of rows at a time (neither the table nor the result is ever whole)."""
-    path, flat = ckpt.folder / ckpt.weight_map[name], ids.reshape(-1)
+def _embedding_chunks(ckpt, name: str, flat: torch.Tensor, chunk: int):
+    """(flat positions, their fp32 embedding vectors) per chunk of table rows that `flat` uses."""
+    path = ckpt.folder / ckpt.weight_map[name]
     for lo in range(0, tensor_rows(ckpt, name), chunk):
         where = torch.nonzero((flat >= lo) & (flat < lo + chunk)).flatten()
         if where.numel():
-            table = read_rows(path, name, lo, lo + chunk).float()
-            store.write_tokens(where, table[flat[where] - lo])
+            yield where, read_rows(path, name, lo, lo + chunk).float()[flat[where] - lo]
+
+
+def embed_into(store, ckpt, name: str, ids: torch.Tensor, chunk: int = 4096) -> None:
+    """Embedding lookup of ids [rows, T] written token by token into a RowStore [rows, T, D],
+    reading the table a chunk of rows at a time (neither the table nor the result is ever whole)."""
+    for where, vectors in _embedding_chunks(ckpt, name, ids.reshape(-1), chunk):
+        store.write_tokens(where, vectors)
 
 
 def embed_rows(ckpt, name: str, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     """Embedding lookup [*ids.shape, D] (fp32) reading the table a chunk of rows at a time."""
-    path = ckpt.folder / ckpt.weight_map[name]
     out = None
-    for lo in range(0, tensor_rows(ckpt, name), chunk):
-        mask = (ids >= lo) & (ids < lo + chunk)
-        if not mask.any():
-            continue
-        rows = read_rows(path, name, lo, lo + chunk).float()
+    for where, vectors in _embedding_chunks(ckpt, name, ids.reshape(-1), chunk):
         if out is None:
-            out = torch.zeros(*ids.shape, rows.shape[1])
-        out[mask] = rows[ids[mask] - lo]
-    return out
+            out = torch.zeros(ids.numel(), vectors.shape[1])
+        out[where] = vectors
+    return out.view(*ids.shape, -1)
