@@ -15,7 +15,7 @@ from test_finetune_fixtures import base_recipe, build_tokenizer, save_llama, tin
 
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
-from attnkit.recipes.losses import distill_kl, heal_loss, next_token_ce
+from attnkit.recipes.losses import distill_kl, heal_loss, hidden_mse, next_token_ce
 from attnkit.recipes.recipe import load_finetune_recipe
 from attnkit.recipes.schedules import broadcast_step, lr_multiplier
 
@@ -122,6 +122,39 @@ def test_ce_matches_transformers_loss(tiny):
     torch.testing.assert_close(next_token_ce(out.logits, ids), out.loss, rtol=1e-6, atol=1e-6)
     total, parts = heal_loss(out.logits, ids, out.logits, ce_weight=0.5, kl_weight=2.0, temperature=1.0)
     assert parts["kl"] == pytest.approx(0.0, abs=1e-6) and float(total) == pytest.approx(0.5 * parts["ce"], rel=1e-6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(layers=st.integers(1, 4), b=st.integers(1, 2), length=st.integers(1, 5), dim=st.integers(2, 9))
+def test_hidden_mse_matches_definition(layers, b, length, dim):
+    torch.manual_seed(layers * 1000 + b * 100 + length * 10 + dim)
+    t = [torch.randn(b, length, dim) for _ in range(layers)]
+    s = [x + 0.1 * torch.randn_like(x) for x in t]
+    manual = sum(((x - y) ** 2).sum(-1).div((y**2).sum(-1)).mean() for x, y in zip(s, t)) / layers
+    torch.testing.assert_close(hidden_mse(s, t), manual, rtol=1e-5, atol=1e-7)
+    assert float(hidden_mse(t, t)) == 0.0
+    with pytest.raises(ValueError, match="depth"):
+        hidden_mse(s[:-1] + [s[-1], s[-1]], t)
+
+
+def test_hidden_loss_is_zero_for_the_teacher_itself_and_trains_the_student(tiny):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["llama"])
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    out = model(input_ids=ids, output_hidden_states=True)
+    same = (out.hidden_states[1:], out.hidden_states[1:])
+    total, parts = heal_loss(out.logits, ids, out.logits, 0.0, 1.0, 1.0, hidden_weight=1.0, hidden=same)
+    assert parts["hidden"] == 0.0 and float(total) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="hidden states"):
+        heal_loss(out.logits, ids, out.logits, 0.0, 1.0, 1.0, hidden_weight=1.0)
+    student = AutoModelForCausalLM.from_pretrained(tiny["llama"])
+    with torch.no_grad():
+        student.model.layers[0].self_attn.v_proj.weight.mul_(1.5)  # break layer 0's attention only
+    s_out = student(input_ids=ids, output_hidden_states=True)
+    _, parts = heal_loss(s_out.logits, ids, out.logits, 0.0, 0.0, 1.0, hidden_weight=1.0,
+                         hidden=(s_out.hidden_states[1:], [h.detach() for h in out.hidden_states[1:]]))
+    assert parts["hidden"] > 0
 
 
 # ------------------------------------------------------------------ end to end

@@ -102,6 +102,7 @@ def test_teacher_targets_move_and_keep_fields():
         ("teacher_cache.sizes=3", "teacher_cache.sizes"),
         ("teacher_cache.rebuild=maybe", "teacher_cache.rebuild"),
         ("loss.kl_weight=0", "teacher_cache"),
+        ("loss.hidden_weight=1.0", "loss.hidden_weight"),
     ],
 )
 def test_bad_cache_keys_name_the_key(tmp_path, override, key):

@@ -6,6 +6,7 @@ One optimizer step, in plain sight (per process, batch b of rows [b, L]):
         s = student(rows).logits                       # [b, L, V]
         t = teacher(rows).logits under no_grad          # [b, L, V]  (when distilling)
         loss = ce_weight·CE(s, rows) + kl_weight·T²·KL(softmax(t/T) ‖ softmax(s/T))
+               + hidden_weight·mean_layers ‖h_s − h_t‖² / ‖h_t‖²  (per position)
         backward(loss / grad_accum)                     # DDP all-reduces on the last micro-batch
     clip, AdamW step, LR schedule step
 
@@ -232,7 +233,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         elif cache is not None:  # measured when the cache was built, on the same rows if they match
             trainer_state["eval_teacher"] = cache.teacher_validation(teacher_cache.rows_digest(val_rows))
         log.write({"event": "eval", "step": 0, **_flat(trainer_state["eval_before"])})
-    if recipe.loss.kl_weight == 0:
+    if recipe.loss.kl_weight == 0 and recipe.loss.hidden_weight == 0:
         teacher = None  # named only as the quality reference; free it for training
     start = trainer_state["step"]
     data_iter = _started(accelerator.skip_first_batches(loader, start * t.grad_accum))
@@ -343,15 +344,20 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
         ids = batch["input_ids"]
         sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
         with sync:
-            logits = model(input_ids=ids, use_cache=False).logits  # [b, L, V]
-            target = None
+            want_hidden = loss_cfg.hidden_weight > 0
+            out = model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)  # logits [b, L, V]
+            target, hidden = None, None
             if teacher is not None:
                 with torch.no_grad(), accelerator.autocast():
-                    target = teacher(input_ids=ids, use_cache=False).logits
+                    t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)
+                target = t_out.logits
+                if want_hidden:  # layer outputs; [0] is the shared embedding, equal in both
+                    hidden = (out.hidden_states[1:], t_out.hidden_states[1:])
             elif cache is not None and loss_cfg.kl_weight > 0:  # this process's rows only
                 target = cache.targets(batch["row"].cpu()).to(ids.device)
             loss, parts = heal_loss(
-                logits, ids, target, loss_cfg.ce_weight, loss_cfg.kl_weight, loss_cfg.temperature
+                out.logits, ids, target, loss_cfg.ce_weight, loss_cfg.kl_weight, loss_cfg.temperature,
+                loss_cfg.hidden_weight, hidden,
             )
             accelerator.backward(loss / accum)
         parts["loss"] = float(loss.detach())

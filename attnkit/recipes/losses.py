@@ -7,6 +7,7 @@ vocabulary, or the top-k log-probs with their token ids plus the log of the mass
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,23 @@ def topk_targets(teacher_logits: torch.Tensor, temperature: float, top_k: int | 
     return TeacherTargets(top, ids.to(torch.int32), rest)
 
 
+def hidden_mse(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Mean over layers and positions of ‖h_s − h_t‖² / ‖h_t‖², hidden states [B, L, D] per layer.
+
+    Per-position normalisation, because a few positions (the first token) carry hidden states
+    orders of magnitude larger than the rest and would own an unnormalised MSE. Logit KL gives
+    the attention of layer 3 a signal only through 20 more layers; this gives each layer its own.
+    """
+    if len(student) != len(teacher):
+        raise ValueError(f"{len(student)} student hidden states vs {len(teacher)} teacher's: not the same depth")
+    per_layer = []
+    for s, t in zip(student, teacher):
+        t = t.float()
+        err = (s.float() - t).pow(2).sum(-1)  # [B, L]
+        per_layer.append((err / t.pow(2).sum(-1).clamp_min(1e-6)).mean())
+    return torch.stack(per_layer).mean()
+
+
 def heal_loss(
     student_logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -93,8 +111,11 @@ def heal_loss(
     ce_weight: float,
     kl_weight: float,
     temperature: float,
+    hidden_weight: float = 0.0,
+    hidden: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """ce_weight·CE + kl_weight·KL; `teacher` is logits [B, L, V] or cached targets. Returns total and parts."""
+    """ce_weight·CE + kl_weight·KL + hidden_weight·hidden MSE; `teacher` is logits [B, L, V] or
+    cached targets, `hidden` the (student, teacher) layer outputs. Returns total and parts."""
     parts: dict[str, torch.Tensor] = {}
     total = student_logits.new_zeros((), dtype=torch.float32)
     if ce_weight > 0:
@@ -108,4 +129,9 @@ def heal_loss(
         else:
             parts["kl"] = distill_kl(student_logits, teacher, temperature)
         total = total + kl_weight * parts["kl"]
+    if hidden_weight > 0:
+        if hidden is None:
+            raise ValueError("hidden_weight > 0 needs the student's and the teacher's hidden states")
+        parts["hidden"] = hidden_mse(*hidden)
+        total = total + hidden_weight * parts["hidden"]
     return total, {k: float(v.detach()) for k, v in parts.items()}

@@ -61,6 +61,7 @@ class LossSection:
     ce_weight: float = 0.0  # next-token cross-entropy on the data
     kl_weight: float = 1.0  # KL(teacher || student) on logits; needs `teacher`
     temperature: float = 1.0
+    hidden_weight: float = 0.0  # relative MSE of every layer's output to the teacher's; needs an in-process teacher
 
 
 @dataclass
@@ -151,6 +152,7 @@ def check_recipe(r: Recipe) -> None:
         ("checkpoint.every", r.checkpoint.every),
         ("loss.ce_weight", r.loss.ce_weight),
         ("loss.kl_weight", r.loss.kl_weight),
+        ("loss.hidden_weight", r.loss.hidden_weight),
         ("train.max_grad_norm", r.train.max_grad_norm),
         ("train.weight_decay", r.train.weight_decay),
     ]:
@@ -161,15 +163,19 @@ def check_recipe(r: Recipe) -> None:
     _need(0 < r.train.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
     _need(len(r.train.betas) == 2, "train.betas", "must hold two numbers")
     _need(r.loss.temperature > 0, "loss.temperature", "must be positive")
-    _need(r.loss.ce_weight + r.loss.kl_weight > 0, "loss", "ce_weight and kl_weight are both 0: nothing to train on")
-    if r.loss.kl_weight > 0:
-        _need(r.teacher is not None, "teacher", "is required when loss.kl_weight > 0 (or set loss.kl_weight=0)")
+    _need(r.loss.ce_weight + r.loss.kl_weight + r.loss.hidden_weight > 0, "loss",
+          "ce_weight, kl_weight and hidden_weight are all 0: nothing to train on")
+    for key in ("kl_weight", "hidden_weight"):
+        if getattr(r.loss, key) > 0:
+            _need(r.teacher is not None, "teacher", f"is required when loss.{key} > 0 (or set loss.{key}=0)")
     if r.teacher_cache is not None:
         c = r.teacher_cache
         _need(bool(c.dir), "teacher_cache.dir", "is required (a folder for the cached teacher log-probs)")
         _need(c.top_k is None or c.top_k > 0, "teacher_cache.top_k", f"must be positive or null, got {c.top_k}")
         _choice(c.dtype, CACHE_DTYPES, "teacher_cache.dtype")
         _need(r.loss.kl_weight > 0, "teacher_cache", "caches distillation targets: needs loss.kl_weight > 0")
+        _need(r.loss.hidden_weight == 0, "loss.hidden_weight",
+              "needs the teacher's hidden states, which a teacher_cache does not keep (set it to 0 or drop teacher_cache)")
 
 
 def _need(ok: bool, key: str, why: str) -> None:
