@@ -227,6 +227,17 @@ def test_teacher_with_other_tokenizer_is_refused(tiny, tmp_path, capsys):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.run").exists()
 
 
+def test_hidden_loss_with_a_teacher_of_other_depth_is_refused(tiny, tmp_path, capsys):
+    teacher = save_llama(tmp_path / "deeper", tiny["tokenizer"], layers=2)
+    recipe = base_recipe(tmp_path, tiny["mla"], teacher, tiny["corpus"])
+    recipe["loss"]["hidden_weight"] = 1.0
+    capsys.readouterr()  # drop save_llama's progress bar
+    assert run_cli(write_recipe(tmp_path / "r.yaml", **recipe)) == 2
+    err = capsys.readouterr().err
+    assert "num_hidden_layers 2, the student 1" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.run").exists()
+
+
 def test_dataset_too_small_is_refused(tiny, tmp_path, capsys):
     small = tmp_path / "small.txt"
     small.write_text("def f(x):\n    return x + 1\n" * 3)

@@ -85,6 +85,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny, tmp_path):
 def test_two_processes_match_one_with_double_batch(tiny, tmp_path):
     recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])
     recipe["train"]["max_steps"] = 4
+    recipe["loss"]["hidden_weight"] = 1.0  # the per-layer term averages like the others across processes
     path = write_recipe(tmp_path / "r.yaml", **recipe)
 
     in_process(path, f"output_dir={tmp_path / 'one'}", "train.per_device_batch_size=4")

@@ -118,6 +118,16 @@ def check_teacher(spec: str | None, tokenizer, student_vocab: int) -> tuple[Path
     return path, config
 
 
+def check_same_depth(spec: str, teacher_config: dict, student_config: dict) -> None:
+    """loss.hidden_weight matches layer l to layer l: the two models need the same depth and width."""
+    for key in ("num_hidden_layers", "hidden_size"):
+        if teacher_config.get(key) != student_config.get(key):
+            raise AttnkitError(
+                f"loss.hidden_weight needs a teacher as deep and wide as the student: teacher {spec} has "
+                f"{key} {teacher_config.get(key)}, the student {student_config.get(key)} (set loss.hidden_weight=0)"
+            )
+
+
 def load_teacher(path: Path | None, config: dict, device):
     """The frozen source model in eval mode (no grads; run under torch.no_grad by the trainer)."""
     if path is None:
@@ -151,6 +161,8 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     tokenizer = load_tokenizer(student_path, trust)
     teacher_name = teacher_spec(recipe, student_path) if recipe.teacher else None  # also the retention reference
     teacher_path, teacher_config = check_teacher(teacher_name, tokenizer, config.get("vocab_size"))
+    if recipe.loss.hidden_weight > 0:
+        check_same_depth(teacher_name, teacher_config, config)
     total_steps, rows_per_step = batches.plan_steps(recipe.data, recipe.train, world)
     rows = batches.load_train_rows(tokenizer, recipe.data, total_steps * rows_per_step)
     batches.check_enough(rows, rows_per_step, recipe.data.source)
