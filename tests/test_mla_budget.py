@@ -76,3 +76,14 @@ def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys):
     best = min(b["candidates"], key=lambda c: c["kl"])
     assert (best["kv_lora_rank"], best["rope_dim"]) == (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
     assert "<- chosen" in printed and "--kv-budget 0.5: chose" in printed
+    assert not list(tmp_path.glob("attnkit-scratch-*"))  # the candidates' scratch folder is gone
+    # the chosen split converts to the same weights when named explicitly (the RoPE pre-pass is reused, not redone differently)
+    from safetensors.torch import load_file
+
+    explicit = tmp_path / "explicit"
+    assert main(["convert", "--to", "mla", str(src), "-o", str(explicit), "--calib", str(calib), "--calib-tokens", "256",
+                 "--calib-seq-len", "32", "--eval-tokens", "64", "--kv-lora-rank", str(cfg["kv_lora_rank"]),
+                 "--rope-dim", str(cfg["qk_rope_head_dim"])]) == 0
+    for shard in ("model-layers.safetensors", "model-embeddings.safetensors"):
+        a, e = load_file(str(out / shard)), load_file(str(explicit / shard))
+        assert a.keys() == e.keys() and all(torch.equal(a[k], e[k]) for k in a), shard

@@ -7,8 +7,6 @@ beyond the current layer's hidden states.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import torch
 from safetensors import safe_open
 
@@ -41,11 +39,6 @@ def calibration_tokens(tokenizer, source: str, seq_len: int, n_calib: int, n_eva
     return calib, held_out, note
 
 
-def batches(t: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
-    for start in range(0, t.shape[0], rows):
-        yield t[start : start + rows]
-
-
 class Moment:
     """Running E[x~ x~^T] of x~ = [x; 1] over all tokens seen (fp64)."""
 
@@ -69,12 +62,6 @@ class Moment:
             self.sum /= self.sum[-1, -1].clone()
             self.normalised = True
         return self.sum.cpu()
-
-
-def map_rows(fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: int = 4) -> torch.Tensor:
-    """Apply fn batch by batch (bounded memory for the intermediate activations)."""
-    with torch.no_grad():
-        return torch.cat([fn(b) for b in batches(h, rows)])
 
 
 def read_rows(path, name: str, start: int, stop: int) -> torch.Tensor:

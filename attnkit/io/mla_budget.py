@@ -10,7 +10,9 @@ benchmark (`benchmarks/mla_layer_ranks.py`) uses it with per-layer ranks on held
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -24,7 +26,7 @@ from attnkit.converters.rope import exact_rope_parameters, geometric_rope_parame
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.io import mla_pipeline as pipe
-from attnkit.io.calib import embed_rows, map_rows
+from attnkit.io.calib import embed_rows
 
 REFIT_ROWS = 4  # calibration rows whose source attention gives the refit's distance weights
 
@@ -73,18 +75,20 @@ def source_pe(src, length: int, device: str) -> tuple:
     return src.family.rotary_class()(src.hf_config).to(device)(probe, torch.arange(length, device=device)[None])
 
 
-def rope_score_pass(src, s, calib: torch.Tensor) -> list[torch.Tensor]:
-    """Every layer's RoPE component scores (a quarter of the calibration rows, at least 4)."""
-    calib = calib[: max(4, calib.shape[0] // 4)]
-    src_pe = source_pe(src, calib.shape[1], s.device)
-    h = embed_rows(src.ckpt, src.family.embed + ".weight", calib).to(s.device)
-    scores = []
-    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rope scores", unit="layer"):
-        module = pipe._source_layer(src, layer, s.device)
-        mom = pipe._moment(module, src.family, h, src.shape).value
-        scores.append(mla.rope_scores(pipe._cpu_weights(module, src), mom, src.shape, s.rope_method)[1])
-        h = map_rows(lambda b: pipe._as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)), h, pipe.ROW_BATCH)
-    return scores
+def rope_score_pass(src, s, calib: torch.Tensor, scratch: Path | None = None) -> list[torch.Tensor]:
+    """Every layer's RoPE component scores, as the converter's own pre-pass computes them."""
+    with _scratch_dir(scratch) as tmp:
+        return pipe.rope_scores(src, s, calib, tmp, source_pe(src, calib.shape[1], s.device))
+
+
+class _scratch_dir(tempfile.TemporaryDirectory):
+    """A temporary folder for calibration hidden states (`RowStore`) inside `parent` (None: the system's)."""
+
+    def __init__(self, parent: Path | None):
+        super().__init__(prefix="attnkit-scratch-", dir=parent)
+
+    def __enter__(self) -> Path:
+        return Path(super().__enter__())
 
 
 def distance_weights(mode: str, aw, src, x: torch.Tensor, src_inv, src_att) -> torch.Tensor:
@@ -140,48 +144,27 @@ def refit_params(p: mla.MLAParams, aw, plan, src, mom, weights: torch.Tensor, sr
 
 
 def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[Candidate], scores=None,
-             desc: str = "candidates") -> tuple[float, dict[str, dict]]:
-    """(source perplexity, {candidate: kl, ppl, logits/attention errors}) on `rows` [N, seq_len]."""
-    shape, dev, fam = src.shape, s.device, src.family
-    src_inv, src_att = source_rope(fam, src.hf_config)
+             desc: str = "candidates", scratch: Path | None = None) -> tuple[float, dict[str, dict]]:
+    """(source perplexity, {candidate: kl, ppl, logits/attention errors}) on `rows` [N, seq_len].
+
+    The calibration hidden states wait in a scratch file inside `scratch` (as in the converter);
+    the candidates' own states on `rows` stay in memory (a few rows each)."""
+    dev, fam = s.device, src.family
     positions = torch.arange(rows.shape[1], device=dev)  # rows may be longer than the calibration rows
     src_pe, cal_pe = source_pe(src, rows.shape[1], dev), source_pe(src, calib.shape[1], dev)
-    scores = scores if scores is not None else rope_score_pass(src, s, calib)
+    scores = scores if scores is not None else rope_score_pass(src, s, calib, scratch)
     targets = {}
     for c in candidates:
         counts = mla.slot_counts(scores, c.rope_dim)
         targets[c.name] = (counts, target_for(src, s, c.rope_dim, counts, max(c.ranks)))
-    h_cal = embed_rows(src.ckpt, fam.embed + ".weight", calib).to(dev)
     h0 = embed_rows(src.ckpt, fam.embed + ".weight", rows).to(dev)
     streams = {"source": h0, **{c.name: h0.clone() for c in candidates}}
     attn_err = {c.name: ErrorStat() for c in candidates}
-    for layer in tqdm(range(src.config["num_hidden_layers"]), desc=desc, unit="layer"):
-        module = pipe._source_layer(src, layer, dev)
-        norm1 = getattr(module, fam.norms[0])
-        mom, aw = pipe._moment(module, fam, h_cal, shape).value, pipe._cpu_weights(module, src)
-        with torch.no_grad():
-            x_w = norm1(h_cal[:REFIT_ROWS]) if weights_needed(candidates) else None
-            weights = {m: distance_weights(m, aw, src, x_w, src_inv, src_att) for m in weights_needed(candidates)}
-            x_src = norm1(streams["source"])
-            ref = module.self_attn(hidden_states=x_src, position_embeddings=src_pe, attention_mask=None)[0]
-            for c in candidates:
-                counts, tgt = targets[c.name]
-                plan = mla.plan_rope(aw, mom, shape, c.rope_dim, s.rope_method, src_inv, s.rope_frequencies,
-                                     tgt.inv_freq, counts)
-                split = mla.split_keys(aw, plan, shape)
-                metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
-                p = mla.build_stage(aw, plan, shape, mom, scale_src=pipe._source_scale(src), scale_tgt=tgt.scale,
-                                    rope_src=src_att, rope_tgt=tgt.attention_scaling,
-                                    beta=mla.balance_factor(split, aw, mom, metrics), metrics=metrics,
-                                    rank=c.ranks[layer] - 1)
-                if c.refit != "off":
-                    p = refit_params(p, aw, plan, src, mom, weights[c.refit], src_inv)
-                attend, _ = pipe._mla_fn(p, positions, dev)
-                attn_err[c.name].add(relative_errors(attend(x_src), ref))
-                streams[c.name] = pipe._run_stage_layer(module, fam, attend, streams[c.name])
-            run = lambda pe: lambda b: pipe._as_tensor(module(b, attention_mask=None, position_embeddings=pe))  # noqa: E731
-            streams["source"] = run(src_pe)(streams["source"])
-            h_cal = map_rows(run(cal_pe), h_cal, pipe.ROW_BATCH)
+    with _scratch_dir(scratch) as tmp:
+        h_cal = pipe._embedded(src, calib, tmp / "calib.f32")
+        for layer in tqdm(range(src.config["num_hidden_layers"]), desc=desc, unit="layer"):
+            _evaluate_layer(src, s, layer, h_cal, streams, candidates, targets, attn_err, positions, src_pe, cal_pe)
+        h_cal.close()
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
     finals = {k: pipe._final_hidden(src, h, final_norm) for k, h in streams.items()}
     tied = bool(src.config.get("tie_word_embeddings", False))
@@ -195,25 +178,58 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     return src_ppl, results
 
 
-def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores) -> list[torch.Tensor]:
+def _evaluate_layer(src, s, layer: int, h_cal, streams: dict, candidates: list[Candidate], targets: dict,
+                    attn_err: dict, positions, src_pe, cal_pe) -> None:
+    """One layer of `evaluate`: every candidate's stage from the same moment; advances every stream."""
+    shape, dev, fam = src.shape, s.device, src.family
+    src_inv, src_att = source_rope(fam, src.hf_config)
+    module = pipe._source_layer(src, layer, dev)
+    norm1 = getattr(module, fam.norms[0])
+    mom, aw = pipe._moment(module, fam, h_cal, shape, dev).value, pipe._cpu_weights(module, src)
+    with torch.no_grad():
+        x_w = norm1(h_cal.read(0, REFIT_ROWS).to(dev)) if weights_needed(candidates) else None
+        weights = {m: distance_weights(m, aw, src, x_w, src_inv, src_att) for m in weights_needed(candidates)}
+        x_src = norm1(streams["source"])
+        ref = module.self_attn(hidden_states=x_src, position_embeddings=src_pe, attention_mask=None)[0]
+        for c in candidates:
+            counts, tgt = targets[c.name]
+            plan = mla.plan_rope(aw, mom, shape, c.rope_dim, s.rope_method, src_inv, s.rope_frequencies,
+                                 tgt.inv_freq, counts)
+            split = mla.split_keys(aw, plan, shape)
+            metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
+            p = mla.build_stage(aw, plan, shape, mom, scale_src=pipe._source_scale(src), scale_tgt=tgt.scale,
+                                rope_src=src_att, rope_tgt=tgt.attention_scaling,
+                                beta=mla.balance_factor(split, aw, mom, metrics), metrics=metrics,
+                                rank=c.ranks[layer] - 1)
+            if c.refit != "off":
+                p = refit_params(p, aw, plan, src, mom, weights[c.refit], src_inv)
+            attend, _ = pipe._mla_fn(p, positions, dev)
+            attn_err[c.name].add(relative_errors(attend(x_src), ref))
+            streams[c.name] = pipe._run_stage_layer(module, fam, attend, streams[c.name])
+        streams["source"] = pipe._through(module, src_pe)(streams["source"])
+    h_cal.map_(pipe._through(module, cal_pe), pipe.ROW_BATCH, dev)
+
+
+def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores, scratch: Path | None = None) -> list[torch.Tensor]:
     """Every layer's descending latent PCA eigenvalues at this rope_dim (what each kept channel buys)."""
     shape, fam = src.shape, src.family
     src_inv, _ = source_rope(fam, src.hf_config)
     src_pe = source_pe(src, calib.shape[1], s.device)
     counts = mla.slot_counts(scores, rope_dim)
     tgt = target_for(src, s, rope_dim, counts, 2)
-    h_cal = embed_rows(src.ckpt, fam.embed + ".weight", calib).to(s.device)
     spectra = []
-    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="latent spectra", unit="layer"):
-        module = pipe._source_layer(src, layer, s.device)
-        mom, aw = pipe._moment(module, fam, h_cal, shape).value, pipe._cpu_weights(module, src)
-        plan = mla.plan_rope(aw, mom, shape, rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt.inv_freq, counts)
-        split = mla.split_keys(aw, plan, shape)
-        metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
-        latent = mla.latent_rows(split, aw, mla.balance_factor(split, aw, mom, metrics), metrics)
-        spectra.append(mla.latent_spectrum(latent, mom))
-        h_cal = map_rows(lambda b: pipe._as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)),
-                         h_cal, pipe.ROW_BATCH)
+    with _scratch_dir(scratch) as tmp:
+        h_cal = pipe._embedded(src, calib, tmp / "calib.f32")
+        for layer in tqdm(range(src.config["num_hidden_layers"]), desc="latent spectra", unit="layer"):
+            module = pipe._source_layer(src, layer, s.device)
+            mom, aw = pipe._moment(module, fam, h_cal, shape, s.device).value, pipe._cpu_weights(module, src)
+            plan = mla.plan_rope(aw, mom, shape, rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt.inv_freq, counts)
+            split = mla.split_keys(aw, plan, shape)
+            metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
+            latent = mla.latent_rows(split, aw, mla.balance_factor(split, aw, mom, metrics), metrics)
+            spectra.append(mla.latent_spectrum(latent, mom))
+            h_cal.map_(pipe._through(module, src_pe), pipe.ROW_BATCH, s.device)
+        h_cal.close()
     return spectra
 
 
@@ -230,10 +246,12 @@ def selection_rows(tokenizer, s, calib: torch.Tensor, n_held: int) -> tuple[torc
     return calib[: min(calib.shape[0], n_sel)], f"{min(calib.shape[0], n_sel)} calibration rows (no spare validation text)"
 
 
-def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int) -> dict:
+def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int,
+                 scratch: Path | None = None) -> tuple[dict, list[torch.Tensor]]:
     """--kv-budget: the uniform (kv_lora_rank, rope_dim) split with the lowest KL(source || converted)
     on selection rows (`selection_rows`), among an even grid of rope_dim and a refinement around the
-    best. Sets s.kv_lora_rank / s.rope_dim; returns the report's `kv_budget` section."""
+    best. Sets s.kv_lora_rank / s.rope_dim; returns the report's `kv_budget` section and the RoPE
+    scores (the conversion reuses them). Scratch files go in a temporary folder inside `scratch`."""
     shape, layers = src.shape, src.config["num_hidden_layers"]
     total = budget_values(shape, s.kv_budget)
     rope_cap = shape.d if s.rope_frequencies == "geometric" else shape.G * shape.d
@@ -241,11 +259,12 @@ def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int) -> dict:
     if not splits:
         raise AttnkitError(f"--kv-budget {s.kv_budget} is too small for this model ({total} values per token and layer)")
     rows, rows_note = selection_rows(tokenizer, s, calib, n_held)
-    scores = rope_score_pass(src, s, calib)
+    scores = rope_score_pass(src, s, calib, scratch)
     table = {}
     for round_ in range(2):
         cands = [Candidate(f"r{r}_dr{dr}", dr, [r] * layers, s.refit_query) for r, dr in splits]
-        _, res = evaluate(src, s, calib, rows, cands, scores, desc=f"kv-budget candidates ({round_ + 1}/2)")
+        _, res = evaluate(src, s, calib, rows, cands, scores, desc=f"kv-budget candidates ({round_ + 1}/2)",
+                          scratch=scratch)
         table.update(res)
         best = min(table.values(), key=lambda m: m["kl"])
         splits = refine_candidates(shape, total, [m["rope_dim"] for m in table.values()], best["rope_dim"], rope_cap)
@@ -256,8 +275,9 @@ def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int) -> dict:
     rows_out = sorted(({"kv_lora_rank": m["ranks"][0], "rope_dim": m["rope_dim"], "kl": m["kl"], "ppl": m["ppl"],
                         "attn_rel_err_mean": m["attn_rel_err_mean"]} for m in table.values()), key=lambda m: m["rope_dim"])
     print(format_table(rows_out, s.kv_lora_rank, s.rope_dim, total, 2 * shape.G * shape.d))
-    return {"fraction": s.kv_budget, "values_per_token_layer": total, "measured_on": rows_note,
-            "chosen": {"kv_lora_rank": s.kv_lora_rank, "rope_dim": s.rope_dim}, "candidates": rows_out}
+    section = {"fraction": s.kv_budget, "values_per_token_layer": total, "measured_on": rows_note,
+               "chosen": {"kv_lora_rank": s.kv_lora_rank, "rope_dim": s.rope_dim}, "candidates": rows_out}
+    return section, scores
 
 
 def format_table(rows: list[dict], rank: int, rope_dim: int, total: int, full: int) -> str:

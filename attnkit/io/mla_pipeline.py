@@ -90,12 +90,14 @@ def convert(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise AttnkitError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}") from None
     calib, held_out, held_note = calibration_tokens(tokenizer, s.calib, s.seq_len, s.calib_tokens, s.eval_tokens, s.seed)
+    scores = None
     if s.kv_budget is not None:  # measured choice of (kv_lora_rank, rope_dim); sets them in s
         from attnkit.io.mla_budget import choose_split
-        budget = choose_split(src, s, calib, tokenizer, held_out.shape[0])
+        parent = Path(args.out).absolute().parent  # scratch on the disk the output goes to
+        budget, scores = choose_split(src, s, calib, tokenizer, held_out.shape[0], parent if parent.is_dir() else None)
     _return_freed_memory(trim=True)
     with atomic_output_dir(args.out, args.force) as tmp:
-        report = _convert_into(tmp, src, s, calib, held_out)
+        report = _convert_into(tmp, src, s, calib, held_out, scores)
         report["source"]["model"] = args.model
         if s.kv_budget is not None:
             report["kv_budget"] = budget
@@ -216,8 +218,9 @@ def _run_stage_layer(module, family, attend, h):
     return h + module.mlp(norm2(h))
 
 
-def _rope_counts(src: Source, s: Settings, calib: torch.Tensor, scratch: Path, src_pe) -> torch.Tensor:
-    """Pre-pass (exact frequencies): every layer's component scores -> slots per frequency.
+def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path, src_pe) -> list[torch.Tensor]:
+    """Pre-pass (exact frequencies): every layer's RoPE component scores (`mla.slot_counts` turns
+    them into slots per frequency for a rope_dim).
 
     Scores only rank components, so a quarter of the calibration rows (at least 4) is enough."""
     h = _embedded(src, calib[: max(4, calib.shape[0] // 4)], scratch / "rope-prepass.f32")
@@ -226,10 +229,15 @@ def _rope_counts(src: Source, s: Settings, calib: torch.Tensor, scratch: Path, s
         module = _source_layer(src, layer, s.device)
         mom = _moment(module, src.family, h, src.shape, s.device).value
         scores.append(mla.rope_scores(_cpu_weights(module, src), mom, src.shape, s.rope_method)[1])
-        h.map_(lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=src_pe)), ROW_BATCH, s.device)
+        h.map_(_through(module, src_pe), ROW_BATCH, s.device)
         del module
     h.close()
-    return mla.slot_counts(scores, s.rope_dim)
+    return scores
+
+
+def _through(module, pe):
+    """fn(block [b, T, D]) -> the source decoder layer's output on it (positions' RoPE tables `pe`)."""
+    return lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=pe))
 
 
 def _embedded(src: Source, ids: torch.Tensor, path: Path) -> RowStore:
@@ -272,16 +280,19 @@ class _Targets:
     writer: ShardedWriter
 
 
-def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tensor) -> dict:
+def _convert_into(tmp: Path, src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tensor,
+                  scores: list[torch.Tensor] | None = None) -> dict:
+    """Convert into `tmp`; `scores`: the RoPE pre-pass when already run (by --kv-budget's choice)."""
     scratch = tmp / ".scratch"
     scratch.mkdir()
     try:
-        return _convert_streams(tmp, scratch, src, s, calib, held_out)
+        return _convert_streams(tmp, scratch, src, s, calib, held_out, scores)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _convert_streams(tmp: Path, scratch: Path, src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tensor) -> dict:
+def _convert_streams(tmp: Path, scratch: Path, src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tensor,
+                     scores: list[torch.Tensor] | None) -> dict:
     shape, dev, fam = src.shape, s.device, src.family
     src_inv, src_att = source_rope(fam, src.hf_config)
     src_rope = dict(src.hf_config.rope_parameters or {})
@@ -292,7 +303,8 @@ def _convert_streams(tmp: Path, scratch: Path, src: Source, s: Settings, calib: 
     q_bias = _has_q_bias(src)
     counts = None
     if s.rope_frequencies == "exact":
-        counts = _rope_counts(src, s, calib, scratch, src_pe)
+        scores = scores if scores is not None else rope_scores(src, s, calib, scratch, src_pe)
+        counts = mla.slot_counts(scores, s.rope_dim)
         slot_inv = src_inv[torch.arange(shape.d // 2).repeat_interleave(counts)]
         rope_params = exact_rope_parameters(slot_inv, theta, int(src.config.get("max_position_embeddings", 4096)), src_att)
     else:
