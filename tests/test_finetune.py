@@ -227,6 +227,18 @@ def test_teacher_with_other_tokenizer_is_refused(tiny, tmp_path, capsys):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.run").exists()
 
 
+def test_lm_loss_plus_hidden_term_without_kl_trains(tiny, tmp_path):
+    """The heal-mla default: CE + hidden, no KL (the teacher runs without its LM head)."""
+    recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])
+    recipe["loss"] = {"ce_weight": 1.0, "kl_weight": 0.0, "hidden_weight": 1.0}
+    train(write_recipe(tmp_path / "r.yaml", **recipe))
+    steps = [json.loads(line) for line in (tmp_path / "out.run" / "log.jsonl").read_text().splitlines()]
+    steps = [e for e in steps if "hidden" in e]
+    assert len(steps) == 12 and all("ce" in e and "kl" not in e for e in steps)
+    assert steps[-1]["hidden"] < steps[0]["hidden"]
+    assert all(e["loss"] == pytest.approx(e["ce"] + e["hidden"], rel=1e-5) for e in steps)
+
+
 def test_hidden_loss_with_a_teacher_of_other_depth_is_refused(tiny, tmp_path, capsys):
     teacher = save_llama(tmp_path / "deeper", tiny["tokenizer"], layers=2)
     recipe = base_recipe(tmp_path, tiny["mla"], teacher, tiny["corpus"])

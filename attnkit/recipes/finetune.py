@@ -360,9 +360,11 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
             out = model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)  # logits [b, L, V]
             target, hidden = None, None
             if teacher is not None:
+                # without KL only the layer outputs are needed: skip the LM head ([b, L, V] logits)
+                t_model = teacher if loss_cfg.kl_weight > 0 else teacher.base_model
                 with torch.no_grad(), accelerator.autocast():
-                    t_out = teacher(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)
-                target = t_out.logits
+                    t_out = t_model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)
+                target = t_out.logits if loss_cfg.kl_weight > 0 else None
                 if want_hidden:  # layer outputs; [0] is the shared embedding, equal in both
                     hidden = (out.hidden_states[1:], t_out.hidden_states[1:])
             elif cache is not None and loss_cfg.kl_weight > 0:  # this process's rows only
