@@ -3,8 +3,8 @@
 One optimizer step, in plain sight (per process, batch b of rows [b, L]):
 
     for each of `grad_accum` micro-batches:
-        s = student(rows).logits                       # [b, L, V]
-        t = teacher(rows).logits under no_grad          # [b, L, V]  (when distilling)
+        s, h_s = student(rows)                         # logits [b, L, V], layer outputs n × [b, L, D]
+        t, h_t = teacher(rows) under no_grad            # (when distilling; no LM head when kl_weight = 0)
         loss = ce_weight·CE(s, rows) + kl_weight·T²·KL(softmax(t/T) ‖ softmax(s/T))
                + hidden_weight·mean_layers ‖h_s − h_t‖² / ‖h_t‖²  (per position)
         backward(loss / grad_accum)                     # DDP all-reduces on the last micro-batch
