@@ -309,7 +309,7 @@ def _usage_section(remote_code: bool, convert: dict | None, config: dict | None,
     if remote_code:
         parts.append(
             "This model needs `trust_remote_code=True`: its attention modules ship with it as Python files "
-            "(also registered by `import attnkit`)."
+            "(with attnkit installed, `import attnkit.adapters` registers the same classes and no remote code is needed)."
         )
     else:
         parts.append("No custom code is needed: the architecture is a stock `transformers` one.")
