@@ -69,16 +69,10 @@ def target_for(src, s, rope_dim: int, counts: torch.Tensor | None, kv_lora_rank:
     return Target(inv, att, scale, cfg)
 
 
-def source_pe(src, length: int, device: str) -> tuple:
-    """The source's own (cos, sin) tables for positions 0..length-1."""
-    probe = torch.zeros(1, length, src.shape.D, device=device)
-    return src.family.rotary_class()(src.hf_config).to(device)(probe, torch.arange(length, device=device)[None])
-
-
 def rope_score_pass(src, s, calib: torch.Tensor, scratch: Path | None = None) -> list[torch.Tensor]:
     """Every layer's RoPE component scores, as the converter's own pre-pass computes them."""
     with _scratch_dir(scratch) as tmp:
-        return pipe.rope_scores(src, s, calib, tmp, source_pe(src, calib.shape[1], s.device))
+        return pipe.rope_scores(src, s, calib, tmp)
 
 
 class _scratch_dir(tempfile.TemporaryDirectory):
@@ -151,7 +145,7 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     the candidates' own states on `rows` stay in memory (a few rows each)."""
     dev, fam = s.device, src.family
     positions = torch.arange(rows.shape[1], device=dev)  # rows may be longer than the calibration rows
-    src_pe, cal_pe = source_pe(src, rows.shape[1], dev), source_pe(src, calib.shape[1], dev)
+    src_pe, cal_pe = pipe.source_pe(src, rows.shape[1], dev), pipe.source_pe(src, calib.shape[1], dev)
     scores = scores if scores is not None else rope_score_pass(src, s, calib, scratch)
     targets = {}
     for c in candidates:
@@ -214,7 +208,7 @@ def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores, scratch: Pa
     """Every layer's descending latent PCA eigenvalues at this rope_dim (what each kept channel buys)."""
     shape, fam = src.shape, src.family
     src_inv, _ = source_rope(fam, src.hf_config)
-    src_pe = source_pe(src, calib.shape[1], s.device)
+    src_pe = pipe.source_pe(src, calib.shape[1], s.device)
     counts = mla.slot_counts(scores, rope_dim)
     tgt = target_for(src, s, rope_dim, counts, 2)
     spectra = []

@@ -218,12 +218,13 @@ def _run_stage_layer(module, family, attend, h):
     return h + module.mlp(norm2(h))
 
 
-def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path, src_pe) -> list[torch.Tensor]:
+def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path) -> list[torch.Tensor]:
     """Pre-pass (exact frequencies): every layer's RoPE component scores (`mla.slot_counts` turns
     them into slots per frequency for a rope_dim).
 
     Scores only rank components, so a quarter of the calibration rows (at least 4) is enough."""
     h = _embedded(src, calib[: max(4, calib.shape[0] // 4)], scratch / "rope-prepass.f32")
+    src_pe = source_pe(src, calib.shape[1], s.device)
     scores = []
     for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rope scores", unit="layer"):
         module = _source_layer(src, layer, s.device)
@@ -233,6 +234,17 @@ def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path, sr
         del module
     h.close()
     return scores
+
+
+def rope_tables(rotary: torch.nn.Module, length: int, width: int, device: str) -> tuple:
+    """(cos, sin) of a transformers rotary-embedding module for positions 0..length-1."""
+    probe = torch.zeros(1, length, width, device=device)  # [1, T, D]: only its dtype/device are read
+    return rotary.to(device)(probe, torch.arange(length, device=device)[None])
+
+
+def source_pe(src: Source, length: int, device: str) -> tuple:
+    """The source's own (cos, sin) tables for positions 0..length-1."""
+    return rope_tables(src.family.rotary_class()(src.hf_config), length, src.shape.D, device)
 
 
 def _through(module, pe):
@@ -246,14 +258,12 @@ def _embedded(src: Source, ids: torch.Tensor, path: Path) -> RowStore:
     return store
 
 
-def _moment(module, family: Family, h: RowStore | torch.Tensor, shape: mla.Shape, device: str | None = None) -> Moment:
+def _moment(module, family: Family, h: RowStore, shape: mla.Shape, device: str) -> Moment:
     """E[x~ x~^T] of the attention input (after the layer's first norm) over hidden states h."""
-    device = device or (h.device if isinstance(h, torch.Tensor) else "cpu")
     moment = Moment(shape.D, device)
     norm1 = getattr(module, family.norms[0])
-    blocks = (b for _, b in h.blocks(ROW_BATCH)) if isinstance(h, RowStore) else torch.split(h, ROW_BATCH)
     with torch.no_grad():
-        for b in blocks:
+        for _, b in h.blocks(ROW_BATCH):
             moment.add(norm1(b.to(device)))
     return moment
 
@@ -298,12 +308,11 @@ def _convert_streams(tmp: Path, scratch: Path, src: Source, s: Settings, calib: 
     src_rope = dict(src.hf_config.rope_parameters or {})
     theta = float(src_rope.get("rope_theta", 10000.0))
     positions = torch.arange(s.seq_len, device=dev)
-    probe = torch.zeros(1, s.seq_len, shape.D, device=dev)
-    src_pe = fam.rotary_class()(src.hf_config).to(dev)(probe, positions[None])
+    src_pe = source_pe(src, s.seq_len, dev)
     q_bias = _has_q_bias(src)
     counts = None
     if s.rope_frequencies == "exact":
-        scores = scores if scores is not None else rope_scores(src, s, calib, scratch, src_pe)
+        scores = scores if scores is not None else rope_scores(src, s, calib, scratch)
         counts = mla.slot_counts(scores, s.rope_dim)
         slot_inv = src_inv[torch.arange(shape.d // 2).repeat_interleave(counts)]
         rope_params = exact_rope_parameters(slot_inv, theta, int(src.config.get("max_position_embeddings", 4096)), src_att)
@@ -315,7 +324,7 @@ def _convert_streams(tmp: Path, scratch: Path, src: Source, s: Settings, calib: 
     tgt_inv, tgt_att = target_rope(tgt_cfg)
     if s.rope_frequencies == "exact" and not torch.allclose(tgt_inv, slot_inv, rtol=1e-5):
         raise AttnkitError("internal: the exported RoPE frequencies differ from the kept ones")  # guarded by tests
-    tgt_pe = DeepseekV3RotaryEmbedding(tgt_cfg).to(dev)(probe, positions[None])
+    tgt_pe = rope_tables(DeepseekV3RotaryEmbedding(tgt_cfg), s.seq_len, shape.D, dev)
     with torch.device("meta"):
         scale_tgt = DeepseekV3Attention(tgt_cfg, 0).scaling
     t = _Targets(tgt_cfg, positions, src_pe, tgt_pe, src_inv, tgt_inv, counts,

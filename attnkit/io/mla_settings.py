@@ -78,16 +78,9 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, config: dict)
         calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
         seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=NAMES.get(out_dtype, "float32"),
         out_dtype=out_dtype, src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
-        refit_query=_refit_mode(getattr(args, "refit_query", True) and getattr(args, "refit_weights", "attention")),
+        refit_query=getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off",
         kv_budget=budget,
     )
-
-
-def _refit_mode(value) -> str:
-    """off, or the distance weights (--refit-weights) when --refit-query is on."""
-    if not value:
-        return "off"
-    return str(value)
 
 
 def _check_budget(args: argparse.Namespace, shape: Shape, budget: float) -> None:

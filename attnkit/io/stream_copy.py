@@ -16,15 +16,13 @@ from attnkit.io.checkpoint import INDEX_FILE, SINGLE_FILE, safetensors_header, t
 
 def stream_tensors(ckpt, items: list[tuple[str, str]], path: Path, dtype: torch.dtype, chunk: int = 8192) -> list[str]:
     """Write [(out_name, source_name)] 2-D tensors to one safetensors file at `path`, converted to dtype."""
-    entries, shapes = [], []
+    entries = []
     for out_name, name in items:
-        rows = tensor_rows(ckpt, name)
         cols = read_rows(ckpt.folder / ckpt.weight_map[name], name, 0, 1).shape[1]
-        entries.append((out_name, dtype, [rows, cols]))
-        shapes.append(rows)
+        entries.append((out_name, dtype, [tensor_rows(ckpt, name), cols]))
     with open(path, "wb") as f:
         f.write(safetensors_header(entries))
-        for (_, name), rows in zip(items, shapes):
+        for (_, name), (_, _, (rows, _)) in zip(items, entries):
             src = ckpt.folder / ckpt.weight_map[name]
             for lo in range(0, rows, chunk):
                 f.write(tensor_bytes(read_rows(src, name, lo, min(rows, lo + chunk)).to(dtype)))
