@@ -350,24 +350,24 @@ def _open_cache(accelerator, recipe, plan, fp, rows, used, val_rows, teacher_pat
 def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe) -> dict:
     """`grad_accum` micro-batches → one clipped AdamW step; returns the mean loss parts (all processes)."""
     accum, loss_cfg = recipe.train.grad_accum, recipe.loss
+    want_hidden, want_logits = loss_cfg.hidden_weight > 0, loss_cfg.kl_weight > 0
+    # without KL only the teacher's layer outputs are needed: skip its LM head ([b, L, V] logits)
+    t_model = None if teacher is None else teacher if want_logits else teacher.base_model
     sums: dict[str, float] = {}
     for micro in range(accum):
         batch = next(data_iter)  # {"input_ids": [b, L], "row": [b]} on this process's device
         ids = batch["input_ids"]
         sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
         with sync:
-            want_hidden = loss_cfg.hidden_weight > 0
             out = model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)  # logits [b, L, V]
             target, hidden = None, None
-            if teacher is not None:
-                # without KL only the layer outputs are needed: skip the LM head ([b, L, V] logits)
-                t_model = teacher if loss_cfg.kl_weight > 0 else teacher.base_model
+            if t_model is not None:
                 with torch.no_grad(), accelerator.autocast():
                     t_out = t_model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)
-                target = t_out.logits if loss_cfg.kl_weight > 0 else None
+                target = t_out.logits if want_logits else None
                 if want_hidden:  # layer outputs; [0] is the shared embedding, equal in both
                     hidden = (out.hidden_states[1:], t_out.hidden_states[1:])
-            elif cache is not None and loss_cfg.kl_weight > 0:  # this process's rows only
+            elif cache is not None and want_logits:  # this process's rows only
                 target = cache.targets(batch["row"].cpu()).to(ids.device)
             loss, parts = heal_loss(
                 out.logits, ids, target, loss_cfg.ce_weight, loss_cfg.kl_weight, loss_cfg.temperature,
