@@ -22,6 +22,7 @@ HANDLERS = {
     "bench": "attnkit.evaluation.bench:main",
     "push": "attnkit.io.hub:main",
     "pretrain": "attnkit.recipes.pretrain:main",
+    "tasks": "attnkit.evaluation.tasks:main",
 }
 
 MODEL_HELP = "a Hub id (owner/name), a local folder, or `reference` for the bundled model"
@@ -99,14 +100,17 @@ def _add_eval(sub) -> None:
     p.add_argument("--baseline", metavar="MODEL", default=None, help="a second model; retention = model / baseline")
     p.add_argument(
         "--tasks",
-        default="attnkit-core",
-        help="attnkit-core (= attnkit-ppl,attnkit-complete,attnkit-recall) or comma-separated lm-eval task names",
+        default="attnkit-quick",
+        help="attnkit-quick (default: a subset of attnkit-ppl and attnkit-complete, and attnkit-recall-256; "
+        "seconds per small model on a CPU), attnkit-core (all bundled tasks, what recipes run), "
+        "or comma-separated lm-eval task names",
     )
     p.add_argument("--limit", type=int, default=None, help="at most N documents per task (quick checks)")
     p.add_argument("--batch-size", type=int, default=4, help="lm-eval batch size")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="evaluation dtype")
     p.add_argument("--out", default=None, metavar="FILE", help="write results JSON here")
+    p.add_argument("--verbose", action="store_true", help="show lm-eval's own logs, warnings and progress bars")
 
 
 def _add_bench(sub) -> None:
@@ -154,6 +158,16 @@ def _add_pretrain(sub) -> None:
     _add_recipe_args(p, "recipes/reference.yaml")
 
 
+def _add_tasks(sub) -> None:
+    p = sub.add_parser(
+        "tasks",
+        help="where the bundled lm-eval tasks are (for lm_eval --include_path)",
+        description="Print the folder of attnkit's ready lm-eval task YAMLs, e.g. "
+        'lm_eval --model hf --model_args pretrained=OUT --include_path "$(attnkit tasks path)" --tasks attnkit-core',
+    )
+    p.add_argument("action", choices=["path"], help="path: print the folder")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnkit",
@@ -164,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_convert, _add_finetune, _add_eval, _add_bench, _add_push, _add_pretrain):
+    for add in (_add_convert, _add_finetune, _add_eval, _add_bench, _add_push, _add_pretrain, _add_tasks):
         add(sub)
     return parser
 
