@@ -1,7 +1,8 @@
 """Does a DeepSeek-V3 checkpoint give the same logits in older transformers as in 5.x?
 
     python benchmarks/compat_transformers.py MODEL_DIR [--versions 4.53.3,current] [--out compat.json]
-        [--apply-legacy-fields] [--tol 1e-4] [--cache-dir DIR] [--torch 2.13.0]
+        [--apply-legacy-fields] [--tol 1e-4] [--attn eager] [--cache-dir DIR] [--torch 2.13.0]
+        [--reference-model DIR] [--make-synthetic ROPE[,interleave][,bias][,qlora]]
 
 Each version other than `current` gets its own cached virtual environment under --cache-dir
 (default ~/.cache/attnkit/compat): `transformers==V safetensors tokenizers`, with torch taken from
@@ -20,7 +21,9 @@ warnings (missing / unexpected weights). A version that fails gets a one-line re
 --apply-legacy-fields runs on a copy of MODEL_DIR (weights linked, not copied) whose config.json and
 tokenizer_config.json get `legacy_fields()` / `legacy_tokenizer_fields()`: the keys transformers
 4.x needs to build the same model as 5.x (see docs/compat.md). Those two functions are pure and are
-meant for the converter.
+meant for the converter, with `min_transformers()` for the model card.
+--reference-model: the reference version runs on that checkpoint instead (e.g. the unedited original
+of a hand-edited MODEL_DIR); --make-synthetic first writes a small random DeepSeek-V3 into MODEL_DIR.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # --------------------------------------------------------------------------------------------
@@ -56,6 +60,9 @@ MIN_TRANSFORMERS = {
     "linear": "4.51.0",
 }
 MIN_TRANSFORMERS_NO_Q_LORA = "4.53.0"
+# yarn whose `factor` differs from max_position_embeddings / original_max_position_embeddings, or with
+# `truncate: false`: 4.51-4.55 compute other frequencies (measured 0.145 relative on 4.53 and 4.55)
+MIN_TRANSFORMERS_YARN_FACTOR = "4.56.0"
 
 
 def _rope_parameters(config: dict) -> dict:
@@ -109,10 +116,18 @@ def legacy_tokenizer_fields(tokenizer_config: dict) -> dict:
 
 def min_transformers(config: dict) -> str:
     """Oldest transformers release that loads this DeepSeek-V3 config (with legacy_fields) correctly."""
-    rope_type = _rope_parameters(config).get("rope_type", "default")
+    rp = _rope_parameters(config)
+    rope_type = rp.get("rope_type", "default")
     need = [MIN_TRANSFORMERS.get(rope_type, "5.0.0")]
     if config.get("q_lora_rank") is None:
         need.append(MIN_TRANSFORMERS_NO_Q_LORA)
+    if rope_type == "yarn":
+        # before 4.56, yarn replaces `factor` by max_position_embeddings / original_max_position_embeddings
+        # (when the latter is given) and always truncates the correction range
+        orig = rp.get("original_max_position_embeddings")
+        implied = config.get("max_position_embeddings", 0) / orig if orig else rp.get("factor")
+        if rp.get("truncate", True) is False or (orig and not math.isclose(rp.get("factor", implied), implied)):
+            need.append(MIN_TRANSFORMERS_YARN_FACTOR)
     return max(need, key=_version_key)
 
 
@@ -141,6 +156,64 @@ def apply_legacy_fields(src: Path, dst: Path) -> dict:
         changed["tokenizer_config"] = legacy_tokenizer_fields(tc)
         (dst / "tokenizer_config.json").write_text(json.dumps({**tc, **changed["tokenizer_config"]}, indent=2) + "\n")
     return changed
+
+
+# --------------------------------------------------------------------------------------------
+# Small random DeepSeek-V3 checkpoints, one per RoPE mode (made with this interpreter's transformers 5)
+# --------------------------------------------------------------------------------------------
+
+SYNTHETIC_ROPE = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    # 8 arbitrary per-slot factors: attnkit's `exact` mode
+    "longrope": {"rope_type": "longrope", "factor": 1.0, "rope_theta": 10000.0,
+                 "original_max_position_embeddings": 16384, "attention_factor": 1.0},
+    # factor = max_position_embeddings / original_max_position_embeddings (16384 / 4096)
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096,
+             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    # factor 2 != 16384 / 4096: transformers < 4.56 uses 4
+    "yarn-f2": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}
+
+
+def make_synthetic(out: Path, spec: str, tokenizer_from: Path) -> None:
+    """A 2-layer random DeepSeek-V3 (dense, tied embeddings, d_r = 16) written by transformers 5.
+    spec: ROPE[,interleave][,bias][,qlora] with ROPE a key of SYNTHETIC_ROPE."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    rope, *flags = spec.split(",")
+    bad = set(flags) - {"interleave", "bias", "qlora"}
+    if rope not in SYNTHETIC_ROPE or bad:
+        raise SystemExit(f"--make-synthetic {spec!r}: ROPE in {sorted(SYNTHETIC_ROPE)}, flags interleave,bias,qlora")
+    d_r, layers = 16, 2
+    rp = dict(SYNTHETIC_ROPE[rope])
+    if rope == "longrope":
+        g = torch.Generator().manual_seed(1)
+        rp["long_factor"] = rp["short_factor"] = (torch.rand(d_r // 2, generator=g) * 3 + 0.5).tolist()
+    cfg = DeepseekV3Config(
+        vocab_size=json.loads((tokenizer_from / "config.json").read_text())["vocab_size"], hidden_size=256,
+        intermediate_size=512, moe_intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=1, n_group=1, topk_group=1,
+        num_experts_per_tok=1, first_k_dense_replace=layers, kv_lora_rank=48,
+        q_lora_rank=96 if "qlora" in flags else None, qk_rope_head_dim=d_r, qk_nope_head_dim=32, v_head_dim=32,
+        max_position_embeddings=16384, rms_norm_eps=1e-5, tie_word_embeddings=True, rope_parameters=rp,
+        rope_interleave="interleave" in flags, attention_bias="bias" in flags, num_nextn_predict_layers=0,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=0.08,
+        architectures=["DeepseekV3ForCausalLM"])
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # norms and biases away from their trivial init
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / f, out / f)
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,7 +349,9 @@ finally:
 
 def run_worker(python: Path, model_dir: Path, out: Path, text_file: Path, ref_ids: Path | None, attn: str,
                timeout: int) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists():  # never compare against a previous run's files
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
     worker = out / "worker.py"
     worker.write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -377,7 +452,7 @@ def resolve_versions(spec: str) -> list[str]:
                 import transformers
 
                 if not transformers.__version__.startswith("5."):
-                    raise SystemExit(f"`5.x` means this interpreter's transformers, which is {transformers.__version__}")
+                    raise SystemExit(f"`5.x` means this interpreter's transformers: {transformers.__version__}")
             v = "current"
         out.append(v)
     return out
@@ -386,7 +461,7 @@ def resolve_versions(spec: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
-    ap.add_argument("--versions", default="4.52.4,current",
+    ap.add_argument("--versions", default="4.53.3,current",
                     help="comma-separated transformers releases; `current` (or `5.x`) = this interpreter")
     ap.add_argument("--reference", default=None, help="version the others are compared with (default: newest)")
     ap.add_argument("--reference-model", type=Path, default=None,
@@ -402,10 +477,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch", default="2.13.0", help="torch release for the built environments (pinned)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per version")
     ap.add_argument("--work-dir", type=Path, default=None, help="keep the per-version outputs here")
+    ap.add_argument("--make-synthetic", metavar="SPEC", default=None,
+                    help="first write a small random DeepSeek-V3 into MODEL_DIR (must be absent): "
+                         "ROPE[,interleave][,bias][,qlora], ROPE one of " + ", ".join(SYNTHETIC_ROPE))
+    ap.add_argument("--tokenizer-from", type=Path,
+                    default=Path(__file__).resolve().parents[1] / "attnkit" / "assets" / "reference",
+                    help="tokenizer (and vocab size) of --make-synthetic (default: the bundled reference)")
     args = ap.parse_args(argv)
 
     import numpy as np
 
+    if args.make_synthetic:
+        if args.model_dir.exists():
+            raise SystemExit(f"{args.model_dir} exists: --make-synthetic writes a new checkpoint")
+        make_synthetic(args.model_dir, args.make_synthetic, args.tokenizer_from)
     model_dir = args.model_dir.resolve()
     if not (model_dir / "config.json").exists():
         raise SystemExit(f"{model_dir}: no config.json")
@@ -451,7 +536,9 @@ def main(argv: list[str] | None = None) -> int:
             row["error"] = py
         else:
             ref_ids = ref["ids_file"] if ref is not None and ref["ids_file"].exists() else None
+            t0 = time.time()
             row.update(run_worker(py, mdir, out, text_file, ref_ids, args.attn, args.timeout))
+            row["seconds"] = round(time.time() - t0, 1)
         row["label"] = (row.get("transformers") or v) + tag
         logits = np.load(out / "logits.npy") if (out / "logits.npy").exists() else None
         inv = np.load(out / "inv_freq.npy") if (out / "inv_freq.npy").exists() else None
