@@ -29,10 +29,14 @@ MODEL_HELP = "a Hub id (owner/name), a local folder, or `reference` for the bund
 
 
 def _int_list(text: str) -> list[int]:
+    """"1024,4096" -> [1024, 4096]; at least one value, every one positive."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def _add_convert(sub) -> None:
@@ -61,10 +65,19 @@ def _add_convert(sub) -> None:
     mla.add_argument("--rope-dim", type=int, default=None, metavar="DR", help="decoupled RoPE dim d_r, even (default 64, clipped)")
     mla.add_argument("--rope-method", choices=["rorope", "partial"], default="rorope", help="how RoPE is reduced to d_r dims")
     mla.add_argument(
+        "--target",
+        choices=["engines", "transformers"],
+        default="engines",
+        help="engines: a DeepSeek-V3 checkpoint within what llama.cpp, vLLM and SGLang implement (no attention biases, "
+        "interleaved RoPE, a plain RoPE ladder); transformers: exact at full size, loads correctly in transformers >= 5 only",
+    )
+    mla.add_argument(
         "--rope-frequencies",
-        choices=["exact", "geometric"],
-        default="exact",
-        help="exact: keep each kept component at its source frequency (longrope factors); geometric: plain theta ladder with folding",
+        choices=["ladder", "exact", "geometric"],
+        default=None,
+        help="ladder (default with --target engines): every k-th source frequency, a plain theta ladder; exact (default "
+        "with --target transformers): each kept component at its source frequency (longrope factors); geometric: plain "
+        "ladder with folding",
     )
     mla.add_argument("--objective", choices=["kv", "attention"], default="attention", help="latent PCA metric: kv = balanced K/V energy; attention = query-weighted keys, o_proj-weighted values")
     mla.add_argument("--eval-tokens", type=int, default=4096, metavar="N", help="held-out tokens for the per-step error report")
@@ -90,14 +103,21 @@ def _add_finetune(sub) -> None:
     _add_recipe_args(p, "recipes/heal-mla.yaml")
 
 
+def _add_measured_models(p: argparse.ArgumentParser, what: str, baseline_help: str) -> None:
+    """MODEL, --baseline, --device, --dtype: what `eval` and `bench` both take."""
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("--baseline", metavar="MODEL", default=None, help=baseline_help)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help=f"{what} dtype")
+
+
 def _add_eval(sub) -> None:
     p = sub.add_parser(
         "eval",
         help="measure quality with lm-eval-harness (offline bundled tasks by default)",
         description="Evaluate MODEL (and --baseline) on lm-eval tasks; print a table, write JSON.",
     )
-    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    p.add_argument("--baseline", metavar="MODEL", default=None, help="a second model; retention = model / baseline")
+    _add_measured_models(p, "evaluation", "a second model; retention = model / baseline")
     p.add_argument(
         "--tasks",
         default="attnkit-quick",
@@ -107,8 +127,6 @@ def _add_eval(sub) -> None:
     )
     p.add_argument("--limit", type=int, default=None, help="at most N documents per task (quick checks)")
     p.add_argument("--batch-size", type=int, default=4, help="lm-eval batch size")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="evaluation dtype")
     p.add_argument("--out", default=None, metavar="FILE", help="write results JSON here")
     p.add_argument("--verbose", action="store_true", help="show lm-eval's own logs, warnings and progress bars")
 
@@ -119,14 +137,11 @@ def _add_bench(sub) -> None:
         help="measure prefill/decode speed, peak memory and KV-cache bytes",
         description="Benchmark MODEL (and --baseline) at several context lengths and batch sizes.",
     )
-    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    p.add_argument("--baseline", metavar="MODEL", default=None, help="a second model measured side by side")
+    _add_measured_models(p, "benchmark", "a second model measured side by side")
     p.add_argument("--context", type=_int_list, default=[1024, 4096, 16384], help="context lengths, comma-separated")
     p.add_argument("--batch", type=_int_list, default=[1], help="batch sizes, comma-separated")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode measurement")
     p.add_argument("--repeats", type=int, default=3, help="repeated runs (median and spread reported)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help="benchmark dtype")
     p.add_argument("--attn", choices=["absorbed", "expanded", "auto"], default="auto", help="MLA attention path")
     p.add_argument("--baseline-attn", choices=["absorbed", "expanded", "auto"], default=None,
                    help="MLA attention path of --baseline (default: same as --attn)")
@@ -168,8 +183,15 @@ def _add_tasks(sub) -> None:
     p.add_argument("action", choices=["path"], help="path: print the folder")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line (and exit 2), not the usage block followed by the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="attnkit",
         description="Retrofit the attention of pretrained Hugging Face LMs (GQA/MHA -> MLA, DEX, DIFF), "
         "heal, evaluate and publish them.",

@@ -86,7 +86,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     from attnkit.evaluation.peak import run_with_peak
 
-    probe = "import attnkit.io.mla_pipeline; print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+    probe = "import attnkit.converters.mla.convert; print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
     import_rss = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout) * 1024
     cmd = ["convert", "--to", "mla", str(src), "-o", str(out),
            "--calib-tokens", str(args.calib_tokens), "--eval-tokens", str(args.eval_tokens), *args.extra.split()]

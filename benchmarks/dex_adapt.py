@@ -75,7 +75,8 @@ def with_lora(model, r: int, modules_to_save: list[str] | None):
 
 
 def converted(method: str, source: Path, scratch: Path, args) -> Path:
-    from attnkit.converters.retrofit import convert_dex, convert_diff
+    from attnkit.converters.dex.convert import convert_dex
+    from attnkit.converters.diff.convert import convert_diff
 
     out = scratch / method
     if (out / "config.json").is_file():  # converted once per run

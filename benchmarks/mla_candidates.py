@@ -5,7 +5,7 @@
 
 Arguments other than --splits/--refit/--eval-seq-len/--out are `attnkit convert --to mla` arguments.
 Every (kv_lora_rank:rope_dim, refit) pair is converted from the same calibration moments
-(`attnkit.io.mla_budget.evaluate`: low-rank stage plus the optional query refit, fp32, no native
+(`attnkit.converters.mla.candidates.evaluate`: low-rank stage plus the optional query refit, fp32, no native
 export) and scored on the same held-out rows (the validation split, --eval-tokens tokens, cut
 into --eval-seq-len windows; default: the calibration length): perplexity x source, KL.
 """
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from attnkit.data import pack_tokens
-from attnkit.io.mla_budget import Candidate, evaluate, prepare
+from attnkit.converters.mla.candidates import Candidate, evaluate, prepare
 
 
 def main() -> None:

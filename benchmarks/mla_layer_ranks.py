@@ -7,7 +7,7 @@ Arguments after MODEL are `attnkit convert --to mla` arguments (no -o needed). P
 latent's PCA eigenvalues under the conversion's own objective say what each kept channel buys;
 ranks are then allocated greedily under the same total (sum over layers = layers x kv_lora_rank),
 with each layer's gains either as a fraction of its own total ("relative") or as they are
-("absolute"). Every allocation is converted side by side (`attnkit.io.mla_budget.evaluate`,
+("absolute"). Every allocation is converted side by side (`attnkit.converters.mla.candidates.evaluate`,
 low-rank stage, no output written) and scored on the held-out rows: one-shot perplexity and KL.
 DeepSeek-V3 itself cannot express per-layer ranks (one kv_lora_rank for all layers).
 """
@@ -19,8 +19,8 @@ import json
 import time
 from pathlib import Path
 
-from attnkit.converters.mla_budget import allocate_ranks, max_rank
-from attnkit.io.mla_budget import Candidate, evaluate, prepare, rope_score_pass, spectra_pass
+from attnkit.converters.mla.budget import allocate_ranks, max_rank
+from attnkit.converters.mla.candidates import Candidate, evaluate, prepare, rope_score_pass, spectra_pass
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from attnkit.cli import HANDLERS, build_parser, main
 
-COMMANDS = ["convert", "finetune", "eval", "bench", "push", "pretrain"]
+COMMANDS = ["convert", "finetune", "eval", "bench", "push", "pretrain", "tasks"]
 
 
 def test_every_spec_command_is_registered():

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from attnkit.converters.mla.legacy import min_transformers
+
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compat_transformers.py"
 
 LONGROPE = {"rope_type": "longrope", "factor": 1.0, "rope_theta": 10000.0, "long_factor": [1.0, 0.5, 0.25, 2.0],
@@ -67,14 +69,14 @@ def test_tokenizer_class(ct):
 
 
 def test_min_version(ct):
-    assert ct.min_transformers({"rope_parameters": dict(DEFAULT), "q_lora_rank": None}) == "4.53.0"
-    assert ct.min_transformers({"rope_parameters": dict(LONGROPE), "q_lora_rank": 64}) == "4.51.0"
+    assert min_transformers({"rope_parameters": dict(DEFAULT), "q_lora_rank": None}) == "4.53.0"
+    assert min_transformers({"rope_parameters": dict(LONGROPE), "q_lora_rank": 64}) == "4.51.0"
     # yarn: before 4.56 the factor is replaced by max_position_embeddings / original_max_position_embeddings
-    assert ct.min_transformers({"rope_parameters": dict(YARN), "max_position_embeddings": 4096,
+    assert min_transformers({"rope_parameters": dict(YARN), "max_position_embeddings": 4096,
                                 "q_lora_rank": 64}) == "4.51.0"
-    assert ct.min_transformers({"rope_parameters": dict(YARN), "max_position_embeddings": 8192,
+    assert min_transformers({"rope_parameters": dict(YARN), "max_position_embeddings": 8192,
                                 "q_lora_rank": 64}) == "4.56.0"
-    assert ct.min_transformers({"rope_parameters": {**YARN, "truncate": False}, "max_position_embeddings": 4096,
+    assert min_transformers({"rope_parameters": {**YARN, "truncate": False}, "max_position_embeddings": 4096,
                                 "q_lora_rank": None}) == "4.56.0"
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_dex_models import calib, FAMILIES, convert_cli, retrofit_pair, save_tiny_model, set_step  # noqa: F401 (calib: fixture)
 
 from attnkit.adapters.dex import anneal_ramp, lambda_init_for_layer
-from attnkit.converters.dex import normalized_entropy, parse_heads, select_heads
+from attnkit.converters.dex.heads import normalized_entropy, parse_heads, select_heads
 from attnkit.errors import AttnkitError
 
 

@@ -89,7 +89,7 @@ def test_peft_trains_new_modules_and_merge_keeps_them(method, to_save):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("attnkit.io.mla_pipeline") is None, reason="MLA pipeline not available")
+@pytest.mark.skipif(importlib.util.find_spec("attnkit.converters.mla.convert") is None, reason="MLA pipeline not available")
 def test_mla_plus_dex_composes(tmp_path, calib):
     src = save_tiny_model(tmp_path / "src", "llama")
     out = tmp_path / "mla-dex"

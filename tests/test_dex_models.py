@@ -112,8 +112,8 @@ def retrofit_pair(family: str, method: str, seed: int = 0, selected=None, **kw):
     """(source model, attnkit model with the same weights) in eval mode, fp32, in memory."""
     import attnkit.adapters  # noqa: F401  (registers the classes)
     from attnkit.adapters.modeling_attnkit import CLASSES
-    from attnkit.converters.dex import dex_config_fields
-    from attnkit.converters.diff import diff_config_fields
+    from attnkit.converters.dex.heads import dex_config_fields
+    from attnkit.converters.diff.layer import diff_config_fields
 
     torch.manual_seed(seed)
     config = tiny_config(family, **kw)

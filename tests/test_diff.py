@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from test_dex_models import FAMILIES, convert_cli, retrofit_pair, save_tiny_model, set_step, write_calib
 
 from attnkit.adapters.diff import DiffCombine
-from attnkit.converters.diff import head_rms, norm_weights
+from attnkit.converters.diff.layer import head_rms, norm_weights
 
 
 @settings(max_examples=6, deadline=None)

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from attnkit.cli import main
-from attnkit.converters.mla import Shape
-from attnkit.converters.mla_budget import allocate_ranks, budget_values, max_rank, refine_candidates, split_candidates
+from attnkit.converters.mla.layer import Shape
+from attnkit.converters.mla.budget import allocate_ranks, budget_values, max_rank, refine_candidates, split_candidates
 
 
 @settings(max_examples=30, deadline=None)

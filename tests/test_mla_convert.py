@@ -46,7 +46,8 @@ def test_full_size_is_exact_and_loads_natively(tmp_path, calib, kind):
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(src)
     G, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or 16
-    assert _convert(src, tmp_path / "out", calib, "--rope-dim", str(G * d), "--kv-lora-rank", str(G * d + 1)) == 0
+    assert _convert(src, tmp_path / "out", calib, "--rope-dim", str(G * d), "--kv-lora-rank", str(G * d + 1),
+                    "--target", "transformers") == 0
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out_cfg["model_type"] == "deepseek_v3" and out_cfg["first_k_dense_replace"] == cfg.num_hidden_layers
     assert out_cfg["num_key_value_heads"] == cfg.num_attention_heads and "auto_map" not in out_cfg
@@ -89,7 +90,7 @@ def test_geometric_frequencies_and_bf16_sharded_source(tmp_path, calib):
             (sharded / f.name).write_bytes(f.read_bytes())
     assert (sharded / "model.safetensors.index.json").is_file()
     assert _convert(sharded, tmp_path / "out", calib, "--rope-frequencies", "geometric", "--rope-dim", "16",
-                    "--kv-lora-rank", "17", "--dtype", "fp32") == 0
+                    "--kv-lora-rank", "17", "--dtype", "fp32", "--target", "transformers") == 0
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out_cfg["rope_parameters"]["rope_type"] == "default"
     assert _logits_rel(sharded, tmp_path / "out") < 1e-4  # MQA, d_r = d: the plain ladder is exact
@@ -144,7 +145,7 @@ def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, l
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10, 10, 0))
     assert _convert(src, tmp_path / "o", calib) == 2 and "not enough disk" in capsys.readouterr().err
     monkeypatch.undo()
-    import attnkit.io.mla_pipeline as pipe
+    import attnkit.converters.mla.convert as pipe
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt

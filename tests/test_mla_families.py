@@ -2,7 +2,7 @@
 
 import pytest
 
-from attnkit.converters.architectures import describe
+from attnkit.converters.families import describe
 from attnkit.errors import AttnkitError
 
 BASE = {"model_type": "mistral", "max_position_embeddings": 32768, "rope_parameters": {"rope_type": "default"}}

@@ -6,10 +6,10 @@ from transformers import LlamaConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-from attnkit.converters import mla
-from attnkit.converters.architectures import FAMILIES
-from attnkit.converters.mla_native import constant_for, deepseek_config, native_attention_tensors
-from attnkit.converters.rope import exact_rope_parameters, source_rope, target_rope
+from attnkit.converters.mla import layer as mla
+from attnkit.adapters.families import FAMILIES
+from attnkit.converters.mla.native import constant_for, deepseek_config, native_attention_tensors
+from attnkit.converters.mla.rope import exact_rope_parameters, source_rope, target_rope
 
 
 def _source(G, groups, d, bias, seed):

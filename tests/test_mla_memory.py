@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attnkit.evaluation.peak import run_with_peak
-from attnkit.io.calib import embed_into, embed_rows
+from attnkit.io.tensor_rows import embed_into, embed_rows
 from attnkit.io.checkpoint import LazyCheckpoint
 from attnkit.io.rowstore import RowStore
 

@@ -1,13 +1,13 @@
-"""Query least-squares refit (attnkit.converters.mla_refit): exact where it must be, and it lowers
+"""Query least-squares refit (attnkit.converters.mla.refit): exact where it must be, and it lowers
 the score error it minimises on the calibration data."""
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from attnkit.converters import mla
-from attnkit.converters import mla_refit as refit
-from attnkit.converters.rope import apply_rope
+from attnkit.converters.mla import layer as mla
+from attnkit.converters.mla import refit
+from attnkit.converters.mla.rope import apply_rope
 
 
 def _layer(G, groups, d, bias, seed, T=12, B=2, D=32):

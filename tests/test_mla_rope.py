@@ -4,10 +4,11 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from attnkit.converters import mla
-from attnkit.converters.architectures import FAMILIES, describe
-from attnkit.converters.mla_native import deepseek_config
-from attnkit.converters.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
+from attnkit.converters.mla import layer as mla
+from attnkit.adapters.families import FAMILIES
+from attnkit.converters.families import describe
+from attnkit.converters.mla.native import deepseek_config
+from attnkit.converters.mla.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
 from attnkit.errors import AttnkitError
 
 ROPES = {

@@ -67,8 +67,15 @@ def test_convert_card_metadata_and_body(tmp_path):
     assert "| exact_rewrite | yes |" in body
     assert "12.9 before → 14.2 after" in body
     assert "trust_remote_code" not in body.split("## How to load")[1].split("```")[1]
-    assert "**geometric**" in body
+    assert "**transformers only**" in body and "llama.cpp refuses" in body  # a report without an engine form
     assert GENERATED_MARKER in body
+
+
+def test_engine_form_card_names_the_engines(tmp_path):
+    convert = dict(CONVERT, target={"form": "engines"}, load={"trust_remote_code": False, "rope_frequencies": "ladder"})
+    body = write_model_card(_folder(tmp_path, attnkit_report__json=convert, config__json={"model_type": "deepseek_v3"})).read_text()
+    assert "**engine form**" in body and "vLLM" in body and "PEFT LoRA and full fine-tuning are safe" in body
+    assert "transformers only" not in body
 
 
 def test_local_source_is_not_a_base_model(tmp_path):

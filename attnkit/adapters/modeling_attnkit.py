@@ -1,7 +1,7 @@
 """Models converted by `attnkit convert --to dex|diff`: the source architecture plus DEX/DIFF modules.
 
-Each supported family is described declaratively in `FAMILIES` (its config/model classes and how
-its attention turns hidden states into per-head Q, K, V). The retrofitted attention forward is
+Each supported family is described once in `families.py` (shared with the converters); `FAMILIES`
+here adds how its attention turns hidden states into per-head Q, K, V. The retrofitted attention forward is
 the family's own computation up to the attention function, then:
 
     out = attention(Q, K, V)                        # [B, T, H, d_v], the source's kernel (sdpa/eager/…)
@@ -16,8 +16,8 @@ source projections merges as usual. New modules: `self_attn.dex`, `self_attn.dif
 The config keeps every source field and adds `attnkit = {"method", "base_model_type",
 "selected_heads": [[h...] per layer] (DEX), "anneal_fraction"}`; `model_type` becomes
 `attnkit_<family>` so that loading without this code fails loudly instead of silently dropping
-the new weights. This file (with dex.py and diff.py) is copied into converted checkpoints and
-referenced from `auto_map`, so it imports only torch and transformers.
+the new weights. This file (with dex.py, diff.py and families.py) is copied into converted checkpoints
+and referenced from `auto_map`, so it imports only torch and transformers.
 """
 
 from __future__ import annotations
@@ -30,16 +30,12 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as _deepseek
-from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 from transformers.models.llama import modeling_llama as _llama
-from transformers.models.llama.configuration_llama import LlamaConfig
-from transformers.models.mistral import modeling_mistral as _mistral
-from transformers.models.mistral.configuration_mistral import MistralConfig
-from transformers.models.qwen2 import modeling_qwen2 as _qwen2
-from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
 
 from .dex import DexHeadMix
 from .diff import DiffCombine
+from .families import FAMILIES as DESCRIPTIONS
+from .families import Family as Description
 
 
 # ---------------------------------------------------------------- per-family Q / K / V
@@ -102,7 +98,7 @@ def _deepseek_keys_values(attn, hidden, position_embeddings, cache, kwargs):
 
 @dataclass(frozen=True)
 class Family:
-    """How one architecture's attention is found and split into per-head Q, K, V."""
+    """How one architecture's attention is found and split into per-head Q, K, V at run time."""
 
     config_class: type
     model_class: type
@@ -119,28 +115,26 @@ def _llama_queries_or_source(rope):
     return lambda attn, proj, hidden, pos: inner(attn, proj if proj is not None else attn.q_proj, hidden, pos)
 
 
-FAMILIES: dict[str, Family] = {
-    "llama": Family(
-        LlamaConfig, _llama.LlamaForCausalLM, _llama.LlamaAttention,
-        _llama_queries_or_source(_llama.apply_rotary_pos_emb), _llama_keys_values(_llama.apply_rotary_pos_emb),
-    ),
-    "mistral": Family(
-        MistralConfig, _mistral.MistralForCausalLM, _mistral.MistralAttention,
-        _llama_queries_or_source(_mistral.apply_rotary_pos_emb), _llama_keys_values(_mistral.apply_rotary_pos_emb),
-        sliding_window=lambda attn: getattr(attn.config, "sliding_window", None),
-    ),
-    "qwen2": Family(
-        Qwen2Config, _qwen2.Qwen2ForCausalLM, _qwen2.Qwen2Attention,
-        _llama_queries_or_source(_qwen2.apply_rotary_pos_emb), _llama_keys_values(_qwen2.apply_rotary_pos_emb),
-        sliding_window=lambda attn: attn.sliding_window,
-    ),
-    "deepseek_v3": Family(
-        DeepseekV3Config, _deepseek.DeepseekV3ForCausalLM, _deepseek.DeepseekV3Attention,
-        _deepseek_queries, _deepseek_keys_values,
-        head_dims=lambda cfg: (cfg.num_attention_heads, cfg.v_head_dim),
-        query_dim=lambda cfg: cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
-    ),
+_WINDOWS: dict[str | None, Callable] = {
+    None: lambda attn: None,
+    "config": lambda attn: getattr(attn.config, "sliding_window", None),
+    "module": lambda attn: attn.sliding_window,
 }
+
+
+def _runtime_family(desc: Description) -> Family:
+    """The runtime side of a family description (`families.py`, shared with the converters)."""
+    classes = (desc.config_class(), desc.causal_lm_class(), desc.attention_class())
+    if desc.attention == "latent":
+        return Family(*classes, _deepseek_queries, _deepseek_keys_values,
+                      head_dims=lambda cfg: (cfg.num_attention_heads, cfg.v_head_dim),
+                      query_dim=lambda cfg: cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    rope = desc.module().apply_rotary_pos_emb
+    return Family(*classes, _llama_queries_or_source(rope), _llama_keys_values(rope),
+                  sliding_window=_WINDOWS[desc.sliding_window])
+
+
+FAMILIES: dict[str, Family] = {name: _runtime_family(d) for name, d in DESCRIPTIONS.items() if d.attention}
 
 
 # ---------------------------------------------------------------- the retrofitted attention

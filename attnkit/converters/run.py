@@ -7,10 +7,10 @@ import argparse
 from attnkit.cli import load_handler
 
 PIPELINES = {
-    "mla": "attnkit.io.mla_pipeline:convert",
-    "dex": "attnkit.converters.retrofit:convert_dex",
-    "diff": "attnkit.converters.retrofit:convert_diff",
-    "mla+dex": "attnkit.converters.retrofit:convert_mla_dex",
+    "mla": "attnkit.converters.mla.convert:convert",
+    "dex": "attnkit.converters.dex.convert:convert_dex",
+    "diff": "attnkit.converters.diff.convert:convert_diff",
+    "mla+dex": "attnkit.converters.dex.convert:convert_mla_dex",
 }
 
 

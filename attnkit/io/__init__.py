@@ -1,6 +1,5 @@
-"""Checkpoint I/O: model resolution, a lazy safetensors reader, a sharded writer, atomic output folders."""
-
-from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir
-from attnkit.io.resolve import resolve_model
-
-__all__ = ["LazyCheckpoint", "ShardedWriter", "atomic_output_dir", "resolve_model"]
+"""Checkpoint I/O, shared by every method and knowing none of them: model resolution (`resolve`),
+a lazy safetensors reader, a streaming sharded writer and atomic output folders (`checkpoint`),
+row reads and embedding lookups (`tensor_rows`), scratch files of hidden states (`rowstore`),
+tensor copies between checkpoints (`stream_copy`), the Hub (`hub`) and the model card
+(`model_card`). Nothing here imports from `attnkit.converters`."""

@@ -44,7 +44,7 @@ class LazyCheckpoint:
                 raise AttnkitError(f"{index} is not a valid safetensors index ({exc})") from None
             self.weight_map: dict[str, str] = dict(weight_map)
         elif single.is_file():
-            self.weight_map = {name: SINGLE_FILE for name in _keys_of(single)}
+            self.weight_map = {name: SINGLE_FILE for name in keys_of(single)}
         else:
             raise AttnkitError(f"no safetensors weights in {self.folder} (expected {SINGLE_FILE} or {INDEX_FILE})")
         for shard in sorted(set(self.weight_map.values())):
@@ -70,14 +70,11 @@ class LazyCheckpoint:
             tensor = tensor.to(dtype)
         return tensor.to(device)
 
-    def get_many(self, names: list[str], **kwargs) -> dict[str, torch.Tensor]:
-        return {name: self.get(name, **kwargs) for name in names}
-
     def total_bytes(self) -> int:
         return sum((self.folder / shard).stat().st_size for shard in set(self.weight_map.values()))
 
 
-def _keys_of(path: Path) -> list[str]:
+def keys_of(path: Path) -> list[str]:
     try:
         with safe_open(path, framework="pt", device="cpu") as handle:
             return list(handle.keys())
@@ -179,9 +176,16 @@ class ShardedWriter:
         (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def check_output_dir(out: str | os.PathLike, force: bool = False) -> Path:
-    """Refuse a non-empty OUT unless forced; refuse an OUT that is a file."""
+def check_output_dir(out: str | os.PathLike, force: bool = False, sources: tuple = ()) -> Path:
+    """Refuse an OUT that is, is inside or contains a source folder (whatever the flags: --force
+    would delete the source), a non-empty OUT unless forced, and an OUT that is a file."""
     out = Path(out)
+    target = out.resolve()
+    for src in sources:
+        src = Path(src).resolve()
+        if target == src or src in target.parents or target in src.parents:
+            how = "is" if target == src else "is inside" if src in target.parents else "contains"
+            raise AttnkitError(f"output folder {out} {how} the source model {src}; write somewhere else")
     if out.exists() and not out.is_dir():
         raise AttnkitError(f"output path {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -189,15 +193,41 @@ def check_output_dir(out: str | os.PathLike, force: bool = False) -> Path:
     return out
 
 
+TMP_MARK = ".attnkit-tmp-"  # .OUT.attnkit-tmp-PID-XXXXXXXX: the scratch folder of a run writing OUT
+
+
+def remove_stale_tmp(parent: Path) -> list[Path]:
+    """Remove attnkit scratch folders in `parent` left by processes that are gone (killed runs)."""
+    removed = []
+    for folder in parent.glob(f".*{TMP_MARK}*") if parent.is_dir() else []:
+        pid = folder.name.rsplit(TMP_MARK, 1)[1].split("-")[0]
+        if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+def atomic_output_dir(out: str | os.PathLike, force: bool = False, sources: tuple = ()) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `out`, on any failure it is removed.
 
-    SIGTERM is turned into an exception for the duration so a `kill` cleans up like Ctrl-C.
+    SIGTERM is turned into an exception for the duration so a `kill` cleans up like Ctrl-C; what a
+    SIGKILLed run left (its pid is in the folder's name) is removed by the next run into `out`'s parent.
     """
-    out = check_output_dir(out, force).absolute()
+    out = check_output_dir(out, force, sources).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.attnkit-tmp-{uuid.uuid4().hex[:8]}"
+    remove_stale_tmp(out.parent)
+    tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     previous = _install_sigterm()
     try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import INDEX_FILE, LazyCheckpoint, _keys_of
+from attnkit.io.checkpoint import INDEX_FILE, LazyCheckpoint, keys_of
 from attnkit.io.model_card import CARD_FILE, write_model_card
 
 # Never uploaded: training state, caches, editor/OS litter and attnkit's own temporary files.
@@ -101,7 +101,7 @@ def _check_weights(folder: Path) -> set[str]:
     if (folder / INDEX_FILE).is_file():
         for shard in first_per_shard:
             listed = {n for n, s in ckpt.weight_map.items() if s == shard}
-            if not listed <= set(_keys_of(folder / shard)):
+            if not listed <= set(keys_of(folder / shard)):
                 raise AttnkitError(f"{shard} lacks tensors that {INDEX_FILE} lists in it")
     return set(ckpt.keys())
 

@@ -10,23 +10,26 @@ from pathlib import Path
 
 import torch
 
-from attnkit.io.calib import read_rows, tensor_rows
+from attnkit.io.tensor_rows import read_rows, tensor_rows
 from attnkit.io.checkpoint import INDEX_FILE, SINGLE_FILE, safetensors_header, tensor_bytes
 
 
-def stream_tensors(ckpt, items: list[tuple[str, str]], path: Path, dtype: torch.dtype, chunk: int = 8192) -> list[str]:
-    """Write [(out_name, source_name)] 2-D tensors to one safetensors file at `path`, converted to dtype."""
+def stream_tensors(ckpt, items: list[tuple[str, str, float]], path: Path, dtype: torch.dtype,
+                   chunk: int = 8192) -> list[str]:
+    """Write [(out_name, source_name, scale)] 2-D tensors to one safetensors file at `path`, each
+    multiplied by its scale (in fp32; 1.0 copies) and converted to dtype."""
     entries = []
-    for out_name, name in items:
+    for out_name, name, _ in items:
         cols = read_rows(ckpt.folder / ckpt.weight_map[name], name, 0, 1).shape[1]
         entries.append((out_name, dtype, [tensor_rows(ckpt, name), cols]))
     with open(path, "wb") as f:
         f.write(safetensors_header(entries))
-        for (_, name), (_, _, (rows, _)) in zip(items, entries):
+        for (_, name, scale), (_, _, (rows, _)) in zip(items, entries):
             src = ckpt.folder / ckpt.weight_map[name]
             for lo in range(0, rows, chunk):
-                f.write(tensor_bytes(read_rows(src, name, lo, min(rows, lo + chunk)).to(dtype)))
-    return [out for out, _ in items]
+                block = read_rows(src, name, lo, min(rows, lo + chunk))
+                f.write(tensor_bytes((block if scale == 1.0 else block.float() * scale).to(dtype)))
+    return [out for out, _, _ in items]
 
 
 def merge_index(folder: Path, extra_file: str, extra_names: list[str]) -> None:

@@ -153,7 +153,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     student_path = resolve_model(recipe.model)
     config = check_causal_lm(student_path)
     trust = "auto_map" in config
-    out = check_output_dir(recipe.output_dir, recipe.force)
+    out = check_output_dir(recipe.output_dir, recipe.force, (student_path,))
     run_dir = recipe.resolved_run_dir
     if run_dir.resolve() == out.resolve():
         raise AttnkitError("recipe key run_dir: must differ from output_dir")

@@ -7,18 +7,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from attnkit.converters.mla import Shape
-from attnkit.converters.mla_budget import budget_values, max_rank
+from attnkit.converters.common import DTYPE_NAMES, DTYPES, source_dtype
+from attnkit.converters.mla.budget import budget_values, max_rank
+from attnkit.converters.mla.layer import Shape
 from attnkit.errors import AttnkitError
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 DEFAULT_RANK, DEFAULT_ROPE_DIM = 512, 64
 
 
 @dataclass
 class Settings:
-    kv_lora_rank: int  # latent channels in the cache, including the constant channel
+    kv_lora_rank: int  # latent channels in the cache, including a constant channel (transformers target)
     rope_dim: int
     rope_method: str
     rope_frequencies: str
@@ -35,6 +34,13 @@ class Settings:
     max_shard_bytes: int = 1 << 27
     refit_query: str = "attention"  # off | attention | uniform: distance weights of the query refit
     kv_budget: float | None = None  # fraction of the source's KV bytes; the split is then measured
+    target: str = "transformers"  # engines: within llama.cpp / vLLM / SGLang; transformers: exact there only
+
+    @property
+    def data_rank(self) -> int:
+        """Latent channels that carry data: one carries the latent norm's constant (transformers
+        target) or its anchor (engine target)."""
+        return self.kv_lora_rank - 1
 
     def public(self) -> dict:
         d = asdict(self)
@@ -43,21 +49,31 @@ class Settings:
         return d
 
 
-def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, config: dict) -> Settings:
+def rope_cap(shape: Shape, frequencies: str) -> int:
+    """Largest --rope-dim: every (virtual head, frequency) component with exact frequencies; one
+    component per frequency on a plain ladder."""
+    return shape.G * shape.d if frequencies == "exact" else shape.d
+
+
+def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt) -> Settings:
     if shape.d % 2:
         raise AttnkitError(f"head_dim {shape.d} is odd: rotate-half RoPE needs an even head dim")
-    geometric = args.rope_frequencies == "geometric"
-    rope_cap = shape.d if geometric else shape.G * shape.d
+    target = getattr(args, "target", None) or "transformers"
+    frequencies = args.rope_frequencies or ("ladder" if target == "engines" else "exact")
+    if target == "engines" and frequencies == "exact":
+        raise AttnkitError("--rope-frequencies exact writes longrope factors, which llama.cpp and vLLM do not apply "
+                           "to DeepSeek models; use it with --target transformers, or ladder/geometric")
+    cap = rope_cap(shape, frequencies)
     budget = getattr(args, "kv_budget", None)
     if budget is not None:
         _check_budget(args, shape, budget)
     if args.rope_dim is None:
-        rope_dim = min(DEFAULT_ROPE_DIM, rope_cap)
+        rope_dim = min(DEFAULT_ROPE_DIM, cap)
     else:
         rope_dim = args.rope_dim
-        where = "head_dim" if geometric else "G*head_dim"
-        if rope_dim <= 0 or rope_dim % 2 or rope_dim > rope_cap:
-            raise AttnkitError(f"--rope-dim must be even and in 2..{rope_cap} ({where} of this model), got {rope_dim}")
+        where = "G*head_dim" if frequencies == "exact" else f"head_dim, --rope-frequencies {frequencies}"
+        if rope_dim <= 0 or rope_dim % 2 or rope_dim > cap:
+            raise AttnkitError(f"--rope-dim must be even and in 2..{cap} ({where} of this model), got {rope_dim}")
     top = max_rank(shape, rope_dim)
     if args.kv_lora_rank is None:
         rank = min(DEFAULT_RANK, top)
@@ -65,21 +81,21 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, config: dict)
         rank = args.kv_lora_rank
         if rank < 2 or rank > top:
             raise AttnkitError(
-                f"--kv-lora-rank must be in 2..{top} (2*G*head_dim - rope_dim + 1 constant channel), got {rank}"
+                f"--kv-lora-rank must be in 2..{top} (2*G*head_dim - rope_dim + 1 norm channel), got {rank}"
             )
     for name in ("calib_tokens", "calib_seq_len"):
         if getattr(args, name) <= 1:
             raise AttnkitError(f"--{name.replace('_', '-')} must be > 1")
-    src_dtype = _source_dtype(ckpt, config)
+    src_dtype = source_dtype(ckpt)
     out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
     return Settings(
-        kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=args.rope_frequencies,
+        kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=frequencies,
         objective=getattr(args, "objective", None) or "attention",
         calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
-        seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=NAMES.get(out_dtype, "float32"),
+        seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=DTYPE_NAMES.get(out_dtype, "float32"),
         out_dtype=out_dtype, src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
         refit_query=getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off",
-        kv_budget=budget,
+        kv_budget=budget, target=target,
     )
 
 
@@ -92,8 +108,3 @@ def _check_budget(args: argparse.Namespace, shape: Shape, budget: float) -> None
         raise AttnkitError(f"--kv-budget {budget} leaves {budget_values(shape, budget)} cached values per token "
                            f"and layer; MLA needs at least 4 (2 RoPE + 2 latent channels)")
 
-
-def _source_dtype(ckpt, config: dict) -> torch.dtype:
-    first = next(n for n in ckpt.keys() if n.endswith("norm.weight") or n.endswith("proj.weight"))
-    dtype = ckpt.get(first).dtype
-    return dtype if dtype in NAMES else torch.float32

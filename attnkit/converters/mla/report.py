@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 from attnkit import __version__
+from attnkit.converters.common import source_info
+from attnkit.converters.mla.engines import engine_support
 
 STEP_INFO = {
     "exact": "GQA as MLA: latent = raw K and V of all heads, RoPE on every key component",
@@ -17,19 +16,8 @@ STEP_INFO = {
     "native": "DeepSeek-V3 layer as transformers runs it: latent RMSNorm with a constant channel, "
     "output dtype rounding",
 }
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _weights_fingerprint(ckpt) -> str:
-    index = ckpt.folder / "model.safetensors.index.json"
-    if index.is_file():
-        return _sha256(index.read_bytes())
-    with open(ckpt.folder / "model.safetensors", "rb") as f:  # the header: names, dtypes, shapes, offsets
-        n = int.from_bytes(f.read(8), "little")
-        return _sha256(f.read(n))
+ENGINE_NATIVE = ("DeepSeek-V3 layer in the engine form (no biases, interleaved RoPE, q latent of rank D): latent "
+                 "RMSNorm linear through its epsilon, residual stream scaled, output dtype rounding")
 
 
 def kv_bytes(layers: int, values: int, itemsize: int) -> int:
@@ -41,35 +29,41 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
     itemsize = s.out_dtype.itemsize
     full_rope = s.rope_dim == shape.G * shape.d and s.rope_frequencies == "exact"
     data_rank = 2 * shape.G * shape.d - s.rope_dim
-    exact = {"exact": True, "rope": full_rope, "balance": True, "low-rank": s.kv_lora_rank - 1 >= data_rank,
+    exact = {"exact": True, "rope": full_rope, "balance": True, "low-rank": s.data_rank >= data_rank,
              "refit": full_rope, "native": False}
     steps = []
     for name, m in metrics.items():
-        steps.append({"name": name, "exact": exact[name], "what": STEP_INFO[name],
+        what = ENGINE_NATIVE if name == "native" and s.target == "engines" else STEP_INFO[name]
+        steps.append({"name": name, "exact": exact[name], "what": what,
                       "attn_rel_err_mean": attn_err[name].mean, "attn_rel_err_max": attn_err[name].max, **m})
     lossy = [n for n in ("rope", "low-rank") if not exact[n]]
     return {
         "attnkit_version": __version__,
         "method": "mla",
-        "source": {"path": str(src.path), "model_type": src.config.get("model_type"),
-                   "sha256_config": _sha256((src.path / "config.json").read_bytes()),
-                   "sha256_weights_index": _weights_fingerprint(src.ckpt)},
+        "source": source_info(src.path, src.config.get("model_type")),
         "settings": s.public(),
         "target": {"model_type": "deepseek_v3", "kv_lora_rank": s.kv_lora_rank, "qk_rope_head_dim": s.rope_dim,
                    "q_lora_rank": tgt_cfg.q_lora_rank, "rope_parameters": tgt_cfg.rope_parameters,
-                   "constant_channel": True},
+                   "constant_channel": s.target != "engines", "form": s.target},
         "kv_cache_bytes_per_token": {"before": kv_bytes(layers, 2 * shape.G * shape.d, itemsize),
                                      "after": kv_bytes(layers, s.kv_lora_rank + s.rope_dim, itemsize)},
         "kv_cache_fraction": (s.kv_lora_rank + s.rope_dim) / (2 * shape.G * shape.d),
         "steps": steps,
         "lossy_steps": lossy,
         "ppl": {"before": src_ppl, "after": metrics["native"]["ppl"]},
-        "load": {"trust_remote_code": False, "rope_frequencies": s.rope_frequencies,
-                 "needs": "an engine that applies longrope factors to DeepSeek-V3" if s.rope_frequencies == "exact"
-                 else "any DeepSeek-V3 engine (plain RoPE ladder)"},
+        "load": {"trust_remote_code": False, "rope_frequencies": s.rope_frequencies, "needs": _needs(s)},
+        "serving": engine_support(s.kv_lora_rank, s.rope_dim, shape.d, shape.d, s.target),
         "calibration": {"source": s.calib, "tokens": s.calib_tokens, "seq_len": s.seq_len},
         "layers": per_layer,
     }
+
+
+def _needs(s) -> str:
+    if s.target == "engines":
+        return "any DeepSeek-V3 engine: transformers, llama.cpp, vLLM, SGLang (no biases, plain RoPE ladder)"
+    if s.rope_frequencies == "exact":
+        return "transformers >= 5 only (attention biases, longrope frequency factors)"
+    return "transformers >= 5 only (attention biases)"
 
 
 def format_report(report: dict) -> str:
@@ -82,12 +76,11 @@ def format_report(report: dict) -> str:
     lines.append(f"KV cache bytes/token: {kv['before']} -> {kv['after']} ({100 * kv['after'] / kv['before']:.1f} %)")
     lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
                  f"(RoPE frequencies: {report['load']['rope_frequencies']})")
+    if report.get("serving"):
+        lines.append("runs in: " + "; ".join(f"{k} {v}" for k, v in report["serving"].items()))
     if report.get("kv_budget"):
         b = report["kv_budget"]
         lines.append(f"--kv-budget {b['fraction']}: chose kv_lora_rank {b['chosen']['kv_lora_rank']}, rope_dim "
                      f"{b['chosen']['rope_dim']} among {len(b['candidates'])} measured splits ({b['measured_on']})")
     return "\n".join(lines)
 
-
-def dumps(report: dict) -> str:
-    return json.dumps(report, indent=2)

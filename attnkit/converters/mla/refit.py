@@ -26,8 +26,9 @@ from dataclasses import replace
 
 import torch
 
-from attnkit.converters.mla import AttnWeights, MLAParams, RopePlan, Shape, augmented, split_keys
-from attnkit.converters.rope import apply_rope, cos_sin
+from attnkit.converters.mla.layer import AttnWeights, MLAParams, RopePlan, Shape, augmented, split_keys
+from attnkit.converters.mla.rope import apply_rope, cos_sin, source_rope
+from attnkit.converters.mla.source import Source, source_scale
 
 
 def rope_stage_keys(aw: AttnWeights, plan: RopePlan, shape: Shape) -> torch.Tensor:
@@ -133,3 +134,31 @@ def refit_query(p: MLAParams, ref_keys: torch.Tensor, moment: torch.Tensor,
         q_b = q_b.clone()
         q_b[:, :d] = (t @ p.q_b[:, :d, None])[..., 0]
     return replace(p, q_w=q_w, q_b=q_b)
+
+
+# ---------------------------------------------------------------- the converter's `refit` stage
+
+REFIT_ROWS = 4  # calibration rows whose source attention gives the refit's distance weights
+
+
+def distance_weights(mode: str, aw: AttnWeights, src: Source, x: torch.Tensor, src_inv: torch.Tensor,
+                     src_att: float) -> torch.Tensor:
+    """[H, T] distance weights of the query refit, averaged over the rows of x [B, T, D]."""
+    if mode == "uniform":
+        return uniform_distance_weights(x.shape[1], src.shape.H)
+    per_row = [causal_attention_by_distance(aw, src.shape, row[None].cpu(), src_inv, src_att, source_scale(src))
+               for row in x]
+    return torch.stack(per_row).mean(0)
+
+
+def refit_params(p: MLAParams, aw: AttnWeights, plan: RopePlan, src: Source, mom: torch.Tensor,
+                 weights: torch.Tensor, src_inv: torch.Tensor) -> MLAParams:
+    return refit_query(p, rope_stage_keys(aw, plan, src.shape), mom, *mean_rotation(weights, src_inv))
+
+
+def refit_stage(p: MLAParams, aw: AttnWeights, plan: RopePlan, src: Source, mode: str, mom: torch.Tensor,
+                x: torch.Tensor) -> MLAParams:
+    """The converter's `refit` stage: `p` with its NoPE query refit; x [B, T, D] are the layer's normed
+    inputs on the first REFIT_ROWS calibration rows (the source's attention there gives the weights)."""
+    src_inv, src_att = source_rope(src.family, src.hf_config)
+    return refit_params(p, aw, plan, src, mom, distance_weights(mode, aw, src, x, src_inv, src_att), src_inv)

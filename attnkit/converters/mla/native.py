@@ -9,20 +9,34 @@ with `q_a_proj = [I; 0]` and the same constant trick on `q_a_layernorm`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
-from attnkit.converters.mla import MLAParams, Shape
+from attnkit.converters.mla.engines import ladder_theta
+from attnkit.converters.mla.layer import MLAParams, Shape
+from attnkit.converters.mla.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
+from attnkit.converters.mla.settings import Settings
+from attnkit.converters.mla.source import Source, has_q_bias
+from attnkit.errors import AttnkitError
 
 # c / max|latent| on calibration data: the norm's relative error is about (max|z| / c)^2 / 2
 CONST_MARGIN = 1e4
 
 
 def deepseek_config(src: dict, shape: Shape, d_r: int, kv_lora_rank: int, q_lora_rank: int | None,
-                    rope_parameters: dict, dtype: str) -> DeepseekV3Config:
-    """A dense DeepSeek-V3 config: no MoE layer is built (first_k_dense_replace = num layers)."""
+                    rope_parameters: dict, dtype: str, engine: bool = False) -> DeepseekV3Config:
+    """A dense DeepSeek-V3 config: no MoE layer is built (first_k_dense_replace = num layers).
+
+    `engine`: the engine export's form (no biases, interleaved RoPE, q latent of rank D, an untied
+    head, and two routed experts that no layer builds: llama.cpp asserts n_expert_groups < n_expert
+    when an expert count is given, src/llama-model.cpp)."""
     n_layers = src["num_hidden_layers"]
-    return DeepseekV3Config(
+    fields = {} if not engine else dict(q_lora_rank=shape.D, tie_word_embeddings=False, rope_interleave=True,
+                                        attention_bias=False, n_routed_experts=2)
+    return DeepseekV3Config(**{**dict(
         vocab_size=src["vocab_size"],
         hidden_size=shape.D,
         intermediate_size=src["intermediate_size"],
@@ -56,7 +70,7 @@ def deepseek_config(src: dict, shape: Shape, d_r: int, kv_lora_rank: int, q_lora
         initializer_range=src.get("initializer_range", 0.02),
         architectures=["DeepseekV3ForCausalLM"],
         dtype=dtype,
-    )
+    ), **fields})
 
 
 def constant_for(max_norm: float, dtype: torch.dtype) -> float:
@@ -97,3 +111,44 @@ def native_attention_tensors(p: MLAParams, shape: Shape, c_kv: float, c_q: float
     t["o_proj.weight"] = p.o_w
     t["o_proj.bias"] = torch.zeros(D, dtype=torch.float64) if p.o_b is None else p.o_b
     return t
+
+
+# ---------------------------------------------------------------- the target of one conversion
+
+
+@dataclass
+class Target:
+    """The exported config of a conversion and what it implies: the RoPE frequencies transformers
+    computes for it, their attention factor, and the softmax scale."""
+
+    config: DeepseekV3Config
+    inv_freq: torch.Tensor  # [d_r/2]
+    attention_scaling: float
+    scale: float
+
+
+def target_for(src: Source, s: Settings, rope_dim: int, counts: torch.Tensor | None, kv_lora_rank: int,
+               stride: int = 1) -> Target:
+    """The DeepSeek-V3 target of a conversion with this split (`counts`: RoPE slots per source
+    frequency, exact frequencies; `stride`: of the kept pairs, ladder frequencies)."""
+    shape = src.shape
+    src_inv, src_att = source_rope(src.family, src.hf_config)
+    src_rope = dict(src.hf_config.rope_parameters or {})
+    theta = float(src_rope.get("rope_theta", 10000.0))
+    if s.rope_frequencies == "exact":
+        slot_inv = src_inv[torch.arange(shape.d // 2).repeat_interleave(counts)]
+        rope_params = exact_rope_parameters(slot_inv, theta, int(src.config.get("max_position_embeddings", 4096)), src_att)
+    elif s.rope_frequencies == "ladder":
+        rope_params = {"rope_type": "default", "rope_theta": ladder_theta(theta, stride, shape.d, rope_dim)}
+    else:
+        rope_params = geometric_rope_parameters(src_rope)
+    engine = s.target == "engines"
+    q_lora = shape.D + 1 if has_q_bias(src) and not engine else None
+    cfg = deepseek_config(src.config, shape, rope_dim, kv_lora_rank, q_lora, rope_params, s.dtype_name, engine)
+    cfg._attn_implementation = "sdpa"
+    inv, att = target_rope(cfg)
+    if s.rope_frequencies == "exact" and not torch.allclose(inv, slot_inv, rtol=1e-5):
+        raise AttnkitError("internal: the exported RoPE frequencies differ from the kept ones")  # guarded by tests
+    with torch.device("meta"):
+        scale = DeepseekV3Attention(cfg, 0).scaling
+    return Target(cfg, inv, att, scale)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.converters.mla import Shape
+from attnkit.converters.mla.layer import Shape
 
 
 def max_rank(shape: Shape, rope_dim: int) -> int:
-    """2 G d - d_r data channels (K-NoPE and V) + 1 constant channel."""
+    """2 G d - d_r data channels (K-NoPE and V) + 1 channel for the latent norm (the transformers
+    target's constant channel, the engine target's anchor channel)."""
     return 2 * shape.G * shape.d - rope_dim + 1
 
 

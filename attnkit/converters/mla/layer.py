@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from attnkit.converters.rope import apply_rope, cos_sin, geometric_slot_of
+from attnkit.converters.mla.rope import apply_rope, cos_sin, geometric_slot_of
 
 
 @dataclass(frozen=True)
@@ -132,16 +132,23 @@ def slot_counts(scores: list[torch.Tensor], d_r: int) -> torch.Tensor:
 
 def plan_rope(aw: AttnWeights, moment: torch.Tensor, shape: Shape, d_r: int, method: str,
               src_inv_freq: torch.Tensor, frequencies: str = "exact",
-              target_inv_freq: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> RopePlan:
+              target_inv_freq: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+              stride: int = 1) -> RopePlan:
     """Choose the rotation per frequency and the d_r/2 (virtual head, frequency) components kept.
 
     exact frequencies: `counts[i]` strongest components at frequency i (default: this layer's own
-    global top d_r/2); geometric: the best component per slot of the plain d_r ladder (the slot's
-    frequency replaces the component's: folding, lossy).
+    global top d_r/2); ladder: slot s keeps source pair `stride * s` (its strongest virtual head),
+    at the exported ladder's frequency (exact for a default-RoPE source); geometric: the best
+    component per slot of the plain d_r ladder (the slot's frequency replaces the component's:
+    folding, lossy).
     """
     G, d, half = shape.G, shape.d, shape.d // 2
     rot, score = rope_scores(aw, moment, shape, method)
-    if frequencies == "exact":
+    if frequencies == "ladder":
+        kept_i = torch.arange(d_r // 2) * stride
+        kept_j = score[kept_i].argmax(dim=1)
+        inv_freq = target_inv_freq.double()
+    elif frequencies == "exact":
         if counts is None:
             counts = slot_counts([score], d_r)
         order = torch.argsort(score, dim=1, descending=True, stable=True)  # [d/2, G]
@@ -241,9 +248,11 @@ def attention_metrics(aw: AttnWeights, split: RopeSplit, shape: Shape, moment: t
 def build_stage(aw: AttnWeights, plan: RopePlan, shape: Shape, moment: torch.Tensor, *, scale_src: float,
                 scale_tgt: float, rope_src: float = 1.0, rope_tgt: float = 1.0, beta: float = 1.0,
                 rank: int | None = None, dtype: torch.dtype = torch.float64, metrics=None,
-                map_dtype: torch.dtype | None = None) -> MLAParams:
+                map_dtype: torch.dtype | None = None, centred: bool = True) -> MLAParams:
     """MLA parameters for one layer: rope plan applied, K-NoPE scaled by beta, latent of `rank`
-    (None = full, no factorisation) chosen by activation-aware PCA under `moment`. `dtype` is the
+    (None = full, no factorisation) chosen by activation-aware PCA under `moment`: centred (the
+    mean goes through a kv_b bias, carried by a constant channel) or not (no bias anywhere: the
+    latent is a plain projection of the layer's [K-NoPE; V], what the engine export needs). `dtype` is the
     working precision (fp32 suffices for the exact rewrite, whose maps are 0/1); `map_dtype` (default
     `dtype`) that of the query and output maps, which are only rescaled and rotated."""
     H, G, d, D = shape.H, shape.G, shape.d, shape.D
@@ -277,7 +286,11 @@ def build_stage(aw: AttnWeights, plan: RopePlan, shape: Shape, moment: torch.Ten
             up[h, d:, n:] = v_inv[g * d:(g + 1) * d]
     lat_w, lat_b = latent[:, :D], latent[:, D]
     kvb_w, kvb_b = up, None
-    if rank is not None:
+    if rank is not None and not centred:
+        basis = top_eigvecs(latent @ moment.to(dtype) @ latent.T, rank)  # [n + G d, rank], second moment
+        lat_w, lat_b = basis.T @ lat_w, basis.T @ lat_b
+        kvb_w = up @ basis
+    elif rank is not None:
         moment = moment.to(dtype)
         mean = moment[:D, D] / moment[D, D]
         cov = moment[:D, :D] / moment[D, D] - torch.outer(mean, mean)
@@ -360,3 +373,12 @@ def group_weights(aw: AttnWeights, shape: Shape, g: int) -> tuple[AttnWeights, S
     sub = AttnWeights(aw.wq[q_rows], aw.wk[kv_rows], aw.wv[kv_rows], aw.wo[:, q_rows],
                       pick(aw.bq, q_rows), pick(aw.bk, kv_rows), pick(aw.bv, kv_rows), aw.bo if g == 0 else None)
     return sub, Shape(shape.D, per, 1, d)
+def attention_fn(p: MLAParams, positions: torch.Tensor, dev: str):
+    """(attention function, its fp32 parameters on `dev`)."""
+    p32 = on_device(to_dtype(p, torch.float32), dev)
+    return (lambda x: mla_attention(p32, x, positions)), p32
+
+
+def on_device(p: MLAParams, dev: str) -> MLAParams:
+    return MLAParams(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in p.__dict__.items()})
+

@@ -1,0 +1,75 @@
+"""One description per source family: where each weight of a decoder layer lives, how its
+attention runs, and what the MLA converter refuses about it (and why).
+
+Read by the converters (tensor names, refusals) and by the runtime modules of converted models
+(`modeling_attnkit`). It sits beside the modeling code because that code travels inside converted
+checkpoints (`auto_map`): `modeling_attnkit` imports it relatively, transformers copies it along,
+and so it imports only the standard library — never attnkit, never torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    prefix: str  # transformers class-name prefix, e.g. "Llama" -> LlamaDecoderLayer, LlamaForCausalLM
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # one entry = fused [q; k; v]
+    o: str = "o_proj"
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # one entry = fused [gate; up]
+    down: str = "down_proj"
+    norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    # how the attention turns hidden states into per-head q, k, v at run time:
+    # "rotate_half" = separate q/k/v projections + the family's rotate-half RoPE (Llama-like);
+    # "latent" = DeepSeek's MLA (latent + shared RoPE key); None = no runtime retrofit (fused qkv)
+    attention: str | None = "rotate_half"
+    sliding_window: str | None = None  # "config" (config.sliding_window) | "module" (attn.sliding_window)
+    mla_refusal: str | None = None  # why `convert --to mla` refuses the family; None = converted
+
+    def module(self):
+        return importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
+
+    def decoder_layer_class(self):
+        return getattr(self.module(), f"{self.prefix}DecoderLayer")
+
+    def rotary_class(self):
+        return getattr(self.module(), f"{self.prefix}RotaryEmbedding")
+
+    def attention_class(self):
+        return getattr(self.module(), f"{self.prefix}Attention")
+
+    def causal_lm_class(self):
+        return getattr(self.module(), f"{self.prefix}ForCausalLM")
+
+    def config_class(self):
+        config = importlib.import_module(f"transformers.models.{self.model_type}.configuration_{self.model_type}")
+        return getattr(config, f"{self.prefix}Config")
+
+
+_ALREADY_MLA = "the model already uses MLA"
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "Llama"),
+    Family("mistral", "Mistral", sliding_window="config"),
+    Family("qwen2", "Qwen2", sliding_window="module"),
+    Family("phi3", "Phi3", qkv=("qkv_proj",), gate_up=("gate_up_proj",), attention=None),
+    Family("deepseek_v3", "DeepseekV3", attention="latent", mla_refusal=_ALREADY_MLA),
+    Family("deepseek_v2", "DeepseekV2", attention=None, mla_refusal=_ALREADY_MLA),
+    Family("gemma2", "Gemma2", attention=None, mla_refusal=(
+        "Gemma-2 has sandwich norms (post-attention/post-feedforward RMSNorm), attention-logit softcapping "
+        "and final-logit softcapping, which a DeepSeek-V3 checkpoint cannot express")),
+    Family("gemma3", "Gemma3", attention=None, mla_refusal=(
+        "Gemma-3 has QK-norm and sandwich norms, which a DeepSeek-V3 checkpoint cannot express")),
+    Family("qwen3", "Qwen3", attention=None, mla_refusal=(
+        "Qwen3 applies a per-head RMSNorm to keys (QK-norm) before RoPE; MLA keys are linear in the "
+        "normalised latent, so the per-head key norm cannot be expressed")),
+    Family("olmo2", "Olmo2", attention=None, mla_refusal=(
+        "OLMo-2 applies RMSNorm to the full query/key projections (QK-norm) and normalises after the "
+        "sublayers, which a DeepSeek-V3 checkpoint cannot express")),
+)}

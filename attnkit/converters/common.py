@@ -1,0 +1,78 @@
+"""What every conversion driver shares: dtype names, the device check, the source's identity in a
+report, the source dtype, and the calibration / held-out split of the calibration text."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from attnkit.data import pack_tokens
+from attnkit.errors import AttnkitError
+from attnkit.io.checkpoint import INDEX_FILE, SINGLE_FILE, LazyCheckpoint
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def check_device(name: str | None) -> torch.device:
+    """`--device` as a torch device; one line when CUDA is asked for and absent."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise AttnkitError("--device cuda was given but no CUDA device is available")
+    return torch.device(name or "cpu")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def weights_fingerprint(folder: Path) -> str | None:
+    """sha256 of the index file, or of a single file's safetensors header (names, dtypes, shapes,
+    offsets): identifies the weights without reading them."""
+    if (folder / INDEX_FILE).is_file():
+        return _sha256((folder / INDEX_FILE).read_bytes())
+    if not (folder / SINGLE_FILE).is_file():
+        return None
+    with open(folder / SINGLE_FILE, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return _sha256(f.read(n))
+
+
+def source_info(path: Path, model_type: str | None, model: str | None = None) -> dict:
+    """The report's `source` section: where the source came from and fingerprints of what it was."""
+    info = {"path": str(path), "model_type": model_type, "sha256_config": _sha256((path / "config.json").read_bytes()),
+            "sha256_weights_index": weights_fingerprint(path)}
+    return info if model is None else {**info, "model": model}
+
+
+def source_dtype(ckpt: LazyCheckpoint) -> torch.dtype:
+    """The dtype the source's weights are stored in (fp32 for anything but bf16/fp16)."""
+    first = next(n for n in ckpt.keys() if n.endswith("norm.weight") or n.endswith("proj.weight"))
+    dtype = ckpt.get(first).dtype
+    return dtype if dtype in DTYPE_NAMES else torch.float32
+
+
+def calibration_tokens(tokenizer, source: str, seq_len: int, n_calib: int, n_eval: int, seed: int):
+    """(calibration rows from the train split, held-out rows from the validation split, a note).
+
+    A source with no validation documents (one file) gives its last rows as the held-out set.
+    """
+    try:
+        calib = pack_tokens(tokenizer, source, "train", seq_len, n_calib + n_eval, seed)
+    except AttnkitError as exc:
+        raise AttnkitError(f"calibration source is empty or too short: {exc}") from None
+    try:
+        held_out = pack_tokens(tokenizer, source, "validation", seq_len, n_eval, seed)
+        note = "validation split"
+        calib = calib[: max(1, n_calib // seq_len)]
+    except AttnkitError:
+        if calib.shape[0] < 2:
+            raise AttnkitError(
+                f"calibration source {source!r} gives one sequence of {seq_len} tokens; need two (calibration + held-out)"
+            ) from None
+        n_held = max(1, min(n_eval // seq_len, calib.shape[0] // 2))
+        calib, held_out = calib[:-n_held], calib[-n_held:]
+        calib = calib[: max(1, n_calib // seq_len)]
+        note = "last rows of the calibration text (the source has no validation documents)"
+    return calib, held_out, note

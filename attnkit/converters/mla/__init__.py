@@ -1,0 +1,10 @@
+"""GQA / MHA / MQA -> MLA (a dense DeepSeek-V3 checkpoint), one module per job:
+
+- `layer`: the math of one layer (RoPE plan, balance, joint low-rank factorisation), pure functions;
+- `rope`, `refit`, `budget`: RoPE bookkeeping, the NoPE query refit, KV-budget arithmetic;
+- `native`: the DeepSeek-V3 target (config and tensor names);
+- `source`: the source model streamed one layer at a time;
+- `settings`, `metrics`, `report`: validated options, error measures, `attnkit_report.json`;
+- `candidates`: measured candidate conversions (`--kv-budget`);
+- `convert`: the driver (plan, then execute).
+"""

@@ -1,0 +1,336 @@
+"""`attnkit convert --to mla`: the streaming driver, as a plan and its execution.
+
+`plan` fixes everything a conversion shares before any layer is read: settings, calibration
+and held-out rows, the measured split (`--kv-budget`), the RoPE pre-pass, and the DeepSeek-V3
+target (`native.target_for`). `execute` then streams the source layer by layer: read the layer's
+attention, accumulate the input moment on calibration hidden states, build every stage of the
+conversion and run the held-out text through each stage's attention (to measure its error); drop
+the stages, load the layer's MLP, finish the layer for every stream and write the DeepSeek-V3
+tensors. Only one layer's weights are ever resident, and the hidden states (calibration and
+held-out) wait in scratch files (`RowStore`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+from attnkit.converters.common import calibration_tokens, check_device
+from attnkit.converters.mla import layer as mla
+from attnkit.converters.mla.candidates import choose_split, rope_score_pass
+from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
+from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
+from attnkit.converters.mla.engines import (ANCHOR_RATIOS, KvbRefit, anchor_row, engine_attention_tensors,
+                                            ladder_stride, normalised_latent)
+from attnkit.converters.mla.native import Target, constant_for, native_attention_tensors, target_for
+from attnkit.converters.mla.refit import REFIT_ROWS, refit_stage
+from attnkit.converters.mla.report import build_report, format_report
+from attnkit.converters.mla.rope import source_rope
+from attnkit.converters.mla.settings import Settings, resolve_settings
+from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, final_hidden, has_q_bias,
+                                           head_chunks, load_layer, load_mlp, mlp_tensors, moment, open_source,
+                                           rope_tables, source_pe, source_scale)
+from attnkit.errors import AttnkitError
+from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
+from attnkit.io.model_card import write_model_card
+from attnkit.io.rowstore import RowStore
+from attnkit.io.stream_copy import merge_index, stream_tensors
+
+STAGES = ("exact", "rope", "balance", "low-rank", "native")
+REFIT_STAGES = ("exact", "rope", "balance", "low-rank", "refit", "native")  # with --refit-query
+COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+              "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def _return_freed_memory(trim: bool = False) -> None:
+    """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap);
+    `trim` also hands back the free pages inside the heap (what tokenising the calibration text
+    and a layer's small tensors leave behind)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+        if trim:
+            libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Plan:
+    """Everything a conversion decides before the first layer is read."""
+
+    src: Source
+    s: Settings
+    calib: torch.Tensor  # [N, T] calibration token rows
+    held_out: torch.Tensor  # [M, T] held-out rows of the per-step report
+    held_note: str
+    target: Target
+    counts: torch.Tensor | None  # RoPE slots per source frequency (exact frequencies)
+    stride: int  # of the kept source frequency pairs (ladder frequencies)
+    budget: dict | None  # the report's `kv_budget` section
+
+
+def convert(args: argparse.Namespace) -> int:
+    started = time.time()
+    _return_freed_memory()
+    src = open_source(args.model)
+    check_output_dir(args.out, args.force, (src.path,))
+    s = resolve_settings(args, src.shape, src.ckpt)
+    check_device(s.device)
+    _check_disk(src.ckpt, s, Path(args.out))
+    with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:
+        scratch = tmp / ".scratch"
+        scratch.mkdir()
+        try:
+            p = plan(src, s, scratch)
+            report = execute(p, tmp, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        report["source"]["model"] = args.model
+        if p.budget is not None:
+            report["kv_budget"] = p.budget
+        report["calibration"].update(held_out_from=p.held_note, calib_rows=int(p.calib.shape[0]),
+                                     held_out_rows=int(p.held_out.shape[0]))
+        report["wall_time_s"] = round(time.time() - started, 2)
+        for name in COPY_FILES:
+            if (src.path / name).is_file():
+                shutil.copy2(src.path / name, tmp / name)
+        report["load"]["min_transformers"] = _write_legacy_fields(tmp)
+        (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
+        write_model_card(tmp)
+    print(format_report(report))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def plan(src: Source, s: Settings, scratch: Path) -> Plan:
+    """Calibration rows, the split (measured when --kv-budget), the RoPE pre-pass, the target."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src.path)
+    except Exception as exc:
+        raise AttnkitError(f"cannot load the tokenizer of {src.path}: {str(exc).splitlines()[0]}") from None
+    calib, held_out, held_note = calibration_tokens(tokenizer, s.calib, s.seq_len, s.calib_tokens, s.eval_tokens, s.seed)
+    scores, budget = None, None
+    if s.kv_budget is not None:  # measured choice of (kv_lora_rank, rope_dim); sets them in s
+        budget, scores = choose_split(src, s, calib, tokenizer, held_out.shape[0], scratch)
+    _return_freed_memory(trim=True)
+    if scores is None and s.rope_frequencies != "geometric":
+        scores = rope_score_pass(src, s, calib, scratch)
+    counts = mla.slot_counts(scores, s.rope_dim) if s.rope_frequencies == "exact" else None
+    stride = ladder_stride(scores, src.shape.d, s.rope_dim) if s.rope_frequencies == "ladder" else 1
+    target = target_for(src, s, s.rope_dim, counts, s.kv_lora_rank, stride)
+    return Plan(src, s, calib, held_out, held_note, target, counts, stride, budget)
+
+
+def _write_legacy_fields(folder: Path) -> str:
+    """What transformers 4.x reads (config `rope_theta` / `rope_scaling`, a tokenizer class it knows),
+    written beside transformers 5's fields; returns the oldest release that loads the output."""
+    config = json.loads((folder / "config.json").read_text())
+    config.update(legacy_fields(config))
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tok_path = folder / "tokenizer_config.json"
+    if tok_path.is_file():
+        tok = json.loads(tok_path.read_text())
+        if legacy_tokenizer_fields(tok):
+            tok_path.write_text(json.dumps({**tok, **legacy_tokenizer_fields(tok)}, indent=2) + "\n")
+    return min_transformers(config)
+
+
+def _check_disk(ckpt: LazyCheckpoint, s: Settings, out: Path) -> None:
+    src_bytes = ckpt.total_bytes()
+    estimate = int(src_bytes * s.out_dtype.itemsize / max(1, s.src_itemsize) * 1.1) + (1 << 20)
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if free < estimate:
+        raise AttnkitError(f"not enough disk space in {parent}: need about {estimate / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+
+
+@dataclass
+class _Layers:
+    """What every layer's conversion shares: the target, positions, RoPE tables, the writer."""
+
+    target: Target
+    positions: torch.Tensor
+    src_pe: tuple
+    tgt_pe: tuple
+    src_inv: torch.Tensor
+    counts: torch.Tensor | None
+    stride: int
+    engine: bool
+    kw: dict  # scales and RoPE attention factors of build_stage
+    q_bias: bool
+    writer: ShardedWriter
+
+
+def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
+    """Stream the source through the plan into `tmp`; returns the report."""
+    src, s = p.src, p.s
+    shape, dev, fam = src.shape, s.device, src.family
+    src_inv, src_att = source_rope(fam, src.hf_config)
+    tgt_cfg = p.target.config
+    t = _Layers(p.target, torch.arange(s.seq_len, device=dev), source_pe(src, s.seq_len, dev),
+                rope_tables(DeepseekV3RotaryEmbedding(tgt_cfg), s.seq_len, shape.D, dev), src_inv, p.counts,
+                p.stride, s.target == "engines", dict(scale_src=source_scale(src), scale_tgt=p.target.scale, rope_src=src_att,
+                     rope_tgt=p.target.attention_scaling),
+                has_q_bias(src), ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes))
+    h_cal = embedded(src, p.calib, scratch / "calib.f32")
+    h0 = embedded(src, p.held_out, scratch / "source.f32")
+    stages = STAGES if s.refit_query == "off" else REFIT_STAGES
+    streams = {"source": h0, **{k: h0.copy(scratch / f"{k}.f32") for k in stages}}
+    attn_err = {k: ErrorStat() for k in stages}
+    per_layer = []
+    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="convert --to mla", unit="layer"):
+        per_layer.append(_convert_layer(src, s, t, layer, h_cal, streams, attn_err))
+        _return_freed_memory(trim=True)
+    h_cal.close()
+    embed_name = fam.embed + ".weight"
+    final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
+    t.writer.add("model.norm.weight", final_norm.to(s.out_dtype))
+    tied = bool(src.config.get("tie_word_embeddings", False))
+    head_name = embed_name if tied or fam.lm_head + ".weight" not in src.ckpt else fam.lm_head + ".weight"
+    t.writer.close()
+    big = [("model.embed_tokens.weight", embed_name, 1.0)]
+    if not tied or t.engine:  # the engine export writes its head (vLLM does not tie DeepSeek's)
+        big.append(("lm_head.weight", head_name, 1.0))
+    merge_index(tmp, "model-embeddings.safetensors", stream_tensors(src.ckpt, big, tmp / "model-embeddings.safetensors", s.out_dtype))
+    tgt_cfg.to_json_file(str(tmp / "config.json"))
+    finals = {k: final_hidden(src, store.all().to(dev), final_norm) for k, store in streams.items()}
+    for store in streams.values():
+        store.close()
+    targets = p.held_out[:, 1:].reshape(-1).to(dev)
+    src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
+                                      lambda: head_chunks(src.ckpt, head_name, dev))
+    report = build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
+    if s.rope_frequencies == "ladder":
+        report["target"]["rope_stride"] = p.stride
+    return report
+
+
+def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowStore,
+                   streams: dict[str, RowStore], attn_err: dict[str, ErrorStat]) -> dict:
+    """Convert, measure and write one layer; advances `h_cal` and every stream through it.
+
+    Two phases, so that the stages and the MLP are never resident together: (1) attention only —
+    moment, stages, their errors, every stream's attention residual; (2) the MLP. A function of
+    its own so that everything the layer allocated is freed when it returns."""
+    shape, dev, fam = src.shape, s.device, src.family
+    module = load_layer(src, layer, dev, mlp=False)
+    norm1, norm2 = getattr(module, fam.norms[0]), getattr(module, fam.norms[1])
+    stat = moment(module, fam, h_cal, shape, dev)
+    mom, aw = stat.value, cpu_weights(module, src)
+    rope_plan = mla.plan_rope(aw, mom, shape, s.rope_dim, s.rope_method, t.src_inv, s.rope_frequencies, t.target.inv_freq,
+                              t.counts, t.stride)
+    split = mla.split_keys(aw, rope_plan, shape)
+    metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
+    beta = mla.balance_factor(split, aw, mom, metrics)
+    del split
+    # each stage is built, measured and dropped in turn: at most one stage's weights are resident
+    builders = {
+        "exact": lambda: _exact_by_group(aw, shape, mom, t, dev),
+        "rope": lambda: mla.attention_fn(mla.build_stage(aw, rope_plan, shape, mom, map_dtype=torch.float32, **t.kw), t.positions, dev),
+        "balance": lambda: mla.attention_fn(mla.build_stage(aw, rope_plan, shape, mom, beta=beta, metrics=metrics, map_dtype=torch.float32, **t.kw), t.positions, dev),
+    }
+    source_attn = lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=None)[0]  # noqa: E731
+    layer_errs, engine_info = {}, {}
+    with torch.no_grad():
+        for k in [k for k in REFIT_STAGES if k in streams]:  # the stages this run measures, in order
+            if k == "low-rank":
+                low_p = mla.build_stage(aw, rope_plan, shape, mom, beta=beta, metrics=metrics, rank=s.data_rank,
+                                        map_dtype=torch.float32, centred=not t.engine, **t.kw)
+                attend, p32 = mla.attention_fn(low_p, t.positions, dev)
+                del low_p  # the native tensors are made from the fp32 copy (they are stored in <= fp32)
+                # latent norms on calibration rows [N*T]: the constant channel's size, or the engine export's scale
+                z = torch.cat([(norm1(b.to(dev)) @ p32.lat_w.T + p32.lat_b).flatten(0, -2).norm(dim=-1)
+                               for _, b in h_cal.blocks(ROW_BATCH)])
+                z_max = float(z.max())
+            elif k == "refit":
+                x = norm1(h_cal.read(0, REFIT_ROWS).to(dev))
+                attend, p32 = mla.attention_fn(refit_stage(mla.on_device(p32, "cpu"), aw, rope_plan, src, s.refit_query, mom, x), t.positions, dev)
+            elif k == "native":
+                if t.engine:
+                    tensors, engine_info = _engine_tensors(mla.on_device(p32, "cpu"), shape, norm1, mom, h_cal, dev)
+                else:
+                    tensors = native_attention_tensors(mla.on_device(p32, "cpu"), shape, constant_for(z_max, s.out_dtype),
+                                                       constant_for(stat.max_norm, s.out_dtype) if t.q_bias else None)
+                del p32
+                tensors = {n: v.to(s.out_dtype) for n, v in tensors.items()}  # what is written, and measured
+                with torch.device("meta"):
+                    native = DeepseekV3Attention(t.target.config, layer)
+                native.load_state_dict({n: v.float().to(dev) for n, v in tensors.items()}, strict=True, assign=True)
+                attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=None)[0]  # noqa: E731
+            else:
+                attend = builders[k]()[0]
+            layer_errs[k] = _measure_stage(attend, source_attn, norm1, streams["source"], streams[k], attn_err[k], dev)
+            del attend
+        del native, aw, mom, stat, metrics, builders
+        for store in (streams["source"], h_cal):
+            store.map_(lambda h: h + source_attn(norm1(h)), ROW_BATCH, dev)
+        load_mlp(module, src, layer, dev)
+        for store in (*streams.values(), h_cal):
+            store.map_(lambda h: h + module.mlp(norm2(h)), ROW_BATCH, dev)
+    for name, v in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
+        t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
+    return {"layer": layer, "beta": beta, "rope_components": {"virtual_head": rope_plan.kept_j.tolist(),
+            "frequency_index": rope_plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs, **engine_info}
+
+
+def _measure_stage(attend, source_attn, norm1, source: RowStore, stream: RowStore, stat: ErrorStat, dev: str) -> float:
+    """A stage's attention error on the source's inputs; its own stream gets its attention residual
+    (the MLP half of the layer follows for every stream together)."""
+    errs = []
+    for lo, h in stream.blocks(ROW_BATCH):
+        x_src = norm1(source.read(lo, lo + ROW_BATCH).to(dev))
+        errs.append(relative_errors(attend(x_src), source_attn(x_src)))
+        h = h.to(dev)
+        stream.write(lo, h + attend(norm1(h)))
+    e = torch.cat(errs)
+    stat.add(e)
+    return float(e.mean())
+
+
+def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor, h_cal: RowStore,
+                    dev: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The engine form of one layer: for each anchor ratio, kv_b refit on the normalised latents of the
+    calibration rows; the ratio whose refit reconstructs K and V best is kept."""
+    refits = {}
+    for ratio in ANCHOR_RATIOS:
+        anchor = anchor_row(mom, p.lat_w.double(), ratio)
+        refit = KvbRefit(p.lat_w.shape[0])
+        lat = torch.cat([p.lat_w.double(), anchor[None]]).float().to(dev)  # [m + 1, D]
+        for _, b in h_cal.blocks(ROW_BATCH):
+            c = norm1(b.to(dev)) @ lat.T  # [1, T, m + 1]
+            refit.add(c[..., :-1].cpu(), normalised_latent(c.double()).cpu())
+        refits[ratio] = (refit.relative_error(p.kvb_w), anchor, refit)
+    ratio = min(refits, key=lambda r: refits[r][0])
+    err, anchor, refit = refits[ratio]
+    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), anchor, refit.solve(p.kvb_w))
+    return tensors, {"anchor_ratio": ratio, "kv_refit_rel_err": err,
+                     "kv_refit_rel_err_by_ratio": {str(r): v[0] for r, v in refits.items()}}
+
+
+def _exact_by_group(aw: mla.AttnWeights, shape: mla.Shape, mom: torch.Tensor, t: _Layers, dev: str):
+    """The lossless rewrite (every key dim rotary, V as the latent), one KV group at a time.
+
+    The attention output is the sum of the groups' outputs, so this is the same function as the
+    whole-layer rewrite, without its dense H x (d + G d) x D query (G times the source's)."""
+    fns = []
+    for g in range(shape.G):
+        aw_g, shape_g = mla.group_weights(aw, shape, g)
+        rope_plan = mla.identity_plan(shape_g, t.src_inv)
+        p = mla.build_stage(aw_g, rope_plan, shape_g, mom, dtype=torch.float32, **{
+            **t.kw, "scale_tgt": (shape.d + rope_plan.d_r) ** -0.5, "rope_tgt": t.kw["rope_src"]})
+        fns.append(mla.attention_fn(p, t.positions, dev)[0])
+    return (lambda x: sum(f(x) for f in fns)), None
+

@@ -1,0 +1,149 @@
+"""The engine export (`--target engines`, the default): a DeepSeek-V3 checkpoint that stays within
+what llama.cpp, vLLM and SGLang implement (docs/serving.md cites their code):
+
+- no attention biases (engines drop `kv_a_proj_with_mqa` / `o_proj` biases): the latent PCA is
+  uncentred, so no constant is needed to carry a mean;
+- RoPE in the interleaved (adjacent-pair) layout, `rope_interleave: true`: the RoPE rows of the
+  query and of `kv_a_proj_with_mqa` are permuted, an exact change;
+- a plain RoPE ladder (no frequency factors): slot s keeps source frequency pair k*s, which is
+  exactly theta' = theta^(k d_r / d) for a default-RoPE source (`ladder_stride` picks k);
+- `q_lora_rank = D` with `q_a_proj = diag(1 / g)`: the q latent is the input divided by its own
+  RMS, whose RMS is 1 for every token, so `q_a_layernorm` (weight g) is exact with no bias;
+- the latent RMSNorm: with no bias there is no constant to make it a fixed scale, and its epsilon
+  cannot help (transformers fixes it at 1e-6 for `kv_a_layernorm`, llama.cpp and vLLM use
+  `rms_norm_eps`). One latent channel is an *anchor*: the direction of the normed input whose
+  projection varies least from token to token (Sigma^-1 mu), large enough to dominate the latent's
+  RMS, so the norm divides every token by nearly the same number; `kv_b_proj` is then refit by least
+  squares on the normalised latents of calibration text (`refit_kv_b`). What remains is a per-token
+  scale error of a few percent (the step `native` in the report measures it), which healing
+  recovers;
+- the LM head is written explicitly (vLLM does not tie DeepSeek's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.converters.mla.layer import MLAParams, Shape
+
+# anchor channel's mean / the data channels' RMS norm, tried per layer (0: no anchor); the converter keeps the
+# one whose kv_b refit reconstructs K and V best (an embedding layer has no steady direction to anchor on)
+ANCHOR_RATIOS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def ladder_stride(scores: list[torch.Tensor], d: int, d_r: int) -> int:
+    """Stride k of the kept source frequency pairs 0, k, 2k, … (d_r/2 of them): the k whose
+    components carry the most RoPE score over all layers (each layer's best virtual head per pair)."""
+    half, slots = d // 2, d_r // 2
+    best = torch.stack([s / s.sum().clamp_min(1e-30) for s in scores]).amax(-1).sum(0)  # [d/2]
+    strides = [k for k in range(1, half + 1) if k * (slots - 1) < half]
+    return max(strides, key=lambda k: float(best[torch.arange(slots) * k].sum()))
+
+
+def ladder_theta(theta: float, stride: int, d: int, d_r: int) -> float:
+    """theta' whose d_r ladder theta'^(-2s/d_r) is the source's theta^(-2ks/d)."""
+    return theta ** (stride * d_r / d)
+
+
+def interleave(rows: torch.Tensor) -> torch.Tensor:
+    """Rows [d_r, ...] from the rotate-half layout (pair i = rows i, i + d_r/2) to the adjacent-pair
+    layout (pair i = rows 2i, 2i+1) that `rope_interleave: true` and llama.cpp's deepseek2 read."""
+    half = rows.shape[0] // 2
+    perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    return rows[perm]
+
+
+def anchor_row(moment: torch.Tensor, lat_w: torch.Tensor, ratio: float) -> torch.Tensor:
+    """[D] weights of the anchor channel: v = Sigma^-1 mu of the normed input (the projection with the
+    smallest coefficient of variation), scaled so that its mean is `ratio` times the RMS norm of the
+    data channels lat_w [m, D]. moment: E[x~ x~^T] of x~ = [x; 1] (fp64)."""
+    D = moment.shape[0] - 1
+    mu = moment[:D, D]
+    cov = moment[:D, :D] - torch.outer(mu, mu)
+    v = torch.linalg.solve(cov + 1e-6 * cov.diagonal().mean() * torch.eye(D, dtype=cov.dtype), mu)
+    data_norm = torch.einsum("md,de,me->", lat_w, moment[:D, :D], lat_w).clamp_min(1e-30).sqrt()  # sqrt E|c|^2
+    return v * (ratio * data_norm / (v @ mu).abs().clamp_min(1e-30)) * torch.sign(v @ mu)
+
+
+def normalised_latent(c: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """What `kv_a_layernorm` does before its weight: c / rms(c), per token (last dim)."""
+    return c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class KvbRefit:
+    """Least squares for `kv_b_proj` on normalised latents: B = argmin sum_t |B n_t - K c_t|^2 where
+    c_t is the data latent, K the low-rank stage's up-projection and n_t the normalised
+    [c_t; anchor_t]. Accumulates the two moments batch by batch (fp64)."""
+
+    def __init__(self, m: int):
+        self.cross = torch.zeros(m, m + 1, dtype=torch.float64)  # sum c n^T
+        self.gram = torch.zeros(m + 1, m + 1, dtype=torch.float64)  # sum n n^T
+        self.data = torch.zeros(m, m, dtype=torch.float64)  # sum c c^T
+
+    def add(self, c: torch.Tensor, n: torch.Tensor) -> None:
+        c, n = c.reshape(-1, c.shape[-1]).double(), n.reshape(-1, n.shape[-1]).double()
+        self.cross += c.T @ n
+        self.gram += n.T @ n
+        self.data += c.T @ c
+
+    def relative_error(self, kvb_w: torch.Tensor) -> float:
+        """sum_t |B n_t - K c_t|^2 / sum_t |K c_t|^2 with B = solve(K): what the refit cannot recover."""
+        K = kvb_w.double().reshape(-1, kvb_w.shape[-1])  # [H 2d, m]
+        B = self.solve(kvb_w).reshape(K.shape[0], -1)
+        target = torch.trace(K @ self.data @ K.T)
+        err = target - 2 * torch.trace(K @ self.cross @ B.T) + torch.trace(B @ self.gram @ B.T)
+        return float(err.clamp_min(0) / target.clamp_min(1e-30))
+
+    def solve(self, kvb_w: torch.Tensor) -> torch.Tensor:
+        """kvb_w [H, 2d, m] -> [H, 2d, m + 1] acting on the normalised latent."""
+        ridge = 1e-8 * self.gram.diagonal().mean() * torch.eye(self.gram.shape[0], dtype=torch.float64)
+        mix = torch.linalg.solve(self.gram + ridge, self.cross.T).T  # [m, m + 1]: c ~ mix n
+        return kvb_w.double() @ mix
+
+
+def engine_attention_tensors(p: MLAParams, shape: Shape, g: torch.Tensor, anchor: torch.Tensor,
+                             kv_b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3 `self_attn.*` tensors (fp64) of one layer in the engine form.
+
+    p: the layer's MLA parameters on the source's normed input x~ = g * u (u = x / rms(x)), with no
+    latent bias (uncentred PCA); g: the input norm's weight; anchor: `anchor_row`; kv_b: `KvbRefit.solve`."""
+    H, d, D = shape.H, shape.d, shape.D
+    m, d_r = p.lat_w.shape[0], p.pe_w.shape[0]
+    g = g.double()
+    inv_g = torch.where(g != 0, 1.0 / g, torch.zeros_like(g))
+    q_w = p.q_w.reshape(H, d + d_r, D).double()
+    q_w = torch.cat([q_w[:, :d], torch.stack([interleave(q_w[h, d:]) for h in range(H)])], dim=1)  # [H, d+d_r, D]
+    return {
+        "q_a_proj.weight": torch.diag(inv_g),  # q_a = x~ / g = u: RMS 1 for every token
+        "q_a_layernorm.weight": g.clone(),  # restores x~
+        "q_b_proj.weight": q_w.reshape(H * (d + d_r), D),
+        "kv_a_proj_with_mqa.weight": torch.cat([p.lat_w.double(), anchor[None].double(), interleave(p.pe_w.double())]),
+        "kv_a_layernorm.weight": torch.ones(m + 1, dtype=torch.float64),
+        "kv_b_proj.weight": kv_b.reshape(H * 2 * d, m + 1),
+        "o_proj.weight": p.o_w.double(),
+    }
+
+
+# What each engine's MLA kernels take, read from their code (docs/serving.md cites file and line):
+# vLLM 0.33's CUDA prefill backends need qk_rope_head_dim 64 and (qk_nope, v) in these pairs, and its
+# decode backends a cached head of r + d_r in DECODE_SIZES (Triton-MLA: any); llama.cpp takes any
+# kv_lora_rank, an even RoPE dim and qk_nope >= 1; SGLang's Python code checks no size.
+VLLM_PREFILL_HEADS = {(128, 128), (64, 128), (192, 256)}
+VLLM_DECODE_SIZES = {320, 512, 576}
+
+
+def engine_support(kv_lora_rank: int, rope_dim: int, nope: int, v: int, form: str) -> dict[str, str]:
+    """Per engine: "yes", or why this checkpoint's sizes or form cannot run there (said at conversion
+    time, in the report and the card, not discovered at serve time)."""
+    if form != "engines":
+        no = "no: attention biases (dropped or refused) and longrope factors (not applied)"
+        return {"transformers": "yes", "llama.cpp": no, "vLLM": no, "SGLang": no}
+    vllm = []
+    if rope_dim != 64 or (nope, v) not in VLLM_PREFILL_HEADS:
+        vllm.append(f"CUDA prefill needs qk_rope_head_dim 64 and (qk_nope, v) in {sorted(VLLM_PREFILL_HEADS)}, "
+                    f"this is {rope_dim}, ({nope}, {v})")
+    if kv_lora_rank + rope_dim not in VLLM_DECODE_SIZES:
+        vllm.append(f"decode kernels other than Triton-MLA need kv_lora_rank + rope_dim in {sorted(VLLM_DECODE_SIZES)}, "
+                    f"this is {kv_lora_rank + rope_dim}")
+    return {"transformers": "yes", "llama.cpp": "yes" if nope >= 1 else "no: qk_nope_head_dim must be >= 1",
+            "vLLM": "yes" if not vllm else "no: " + "; ".join(vllm), "SGLang": "yes (no size check in its code)"}

@@ -1,0 +1,250 @@
+"""The source model, streamed one decoder layer at a time (what the MLA converter reads).
+
+`open_source` resolves and checks a MODEL spec once; `load_layer` builds one source decoder layer
+(transformers' own class) with its weights; hidden states wait in scratch files (`RowStore`) and
+are pushed through a layer with `through`. `Moment` and `moment` give the second moment of a
+layer's attention input, which is all the factorisations need from calibration text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+from attnkit.adapters.families import Family
+from attnkit.converters.families import describe
+from attnkit.converters.mla.layer import AttnWeights, Shape
+from attnkit.converters.mla.layer import rope_scores as layer_rope_scores
+from attnkit.converters.mla.settings import Settings
+from attnkit.errors import AttnkitError
+from attnkit.io.checkpoint import LazyCheckpoint
+from attnkit.io.resolve import check_causal_lm, resolve_model
+from attnkit.io.rowstore import RowStore
+from attnkit.io.tensor_rows import embed_into, read_rows, tensor_rows
+
+ROW_BATCH = 1  # rows of hidden states pushed through a layer at once
+
+
+@dataclass
+class Source:
+    path: Path
+    config: dict
+    hf_config: object
+    family: Family
+    ckpt: LazyCheckpoint
+    shape: Shape
+    prefix: str  # "model.layers."
+
+
+
+def open_source(model: str) -> Source:
+    """Resolve MODEL, refuse what MLA cannot express (`describe`), read its config; no weights are loaded."""
+    path = resolve_model(model)
+    config = check_causal_lm(path)
+    family = describe(config)
+    hf_config = AutoConfig.from_pretrained(path)
+    hf_config._attn_implementation = "sdpa"
+    D, H = hf_config.hidden_size, hf_config.num_attention_heads
+    G = getattr(hf_config, "num_key_value_heads", None) or H
+    d = getattr(hf_config, "head_dim", None) or D // H
+    return Source(path, config, hf_config, family, LazyCheckpoint(path), Shape(D, H, G, d), "model.layers.")
+
+
+def load_layer(src: Source, layer: int, device: str, mlp: bool = True) -> torch.nn.Module:
+    """The source decoder layer (transformers' own class) with its weights, fp32 on `device`;
+    without `mlp` its MLP stays on the meta device until `load_mlp`."""
+    prefix = f"{src.prefix}{layer}."
+    names = [n for n in src.ckpt.keys() if n.startswith(prefix) and (mlp or ".mlp." not in n)]
+    # MLP weights stay in the source dtype (upcast per call): they are most of a layer's bytes
+    state = {n[len(prefix):]: src.ckpt.get(n, dtype=None if ".mlp." in n else torch.float32, device=device) for n in names}
+    with torch.device("meta"):
+        module = src.family.decoder_layer_class()(src.hf_config, layer)
+    try:
+        missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
+        if unexpected or any(mlp or not n.startswith("mlp.") for n in missing):
+            raise RuntimeError(f"missing {missing}, unexpected {unexpected}")
+    except RuntimeError as exc:
+        raise AttnkitError(f"layer {layer} of {src.path} does not match its config: {str(exc).splitlines()[0]}") from None
+    if mlp:
+        _upcast_mlp(module)
+    return module.eval()
+
+
+def load_mlp(module: torch.nn.Module, src: Source, layer: int, device: str) -> None:
+    prefix = f"{src.prefix}{layer}.mlp."
+    state = {n[len(prefix):]: src.ckpt.get(n, device=device) for n in src.ckpt.keys() if n.startswith(prefix)}
+    try:
+        module.mlp.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise AttnkitError(f"layer {layer} of {src.path} does not match its config: {str(exc).splitlines()[0]}") from None
+    _upcast_mlp(module)
+
+
+def _upcast_mlp(module: torch.nn.Module) -> None:
+    for name, child in list(module.mlp.named_children()):
+        if isinstance(child, torch.nn.Linear) and child.weight.dtype != torch.float32:
+            setattr(module.mlp, name, _Fp32Linear(child))
+
+
+class _Fp32Linear(torch.nn.Module):
+    """A Linear whose weight stays in its (16-bit) storage dtype and is upcast to fp32 per call,
+    a block of output rows at a time (an 8192 x 2048 weight would otherwise need 64 MB more)."""
+
+    BLOCK = 1 << 21  # weight elements upcast at once (8 MB in fp32)
+
+    def __init__(self, lin: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = lin.weight, lin.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = max(1, self.BLOCK // self.weight.shape[1])
+        out = torch.cat([x @ self.weight[lo : lo + rows].float().T for lo in range(0, self.weight.shape[0], rows)], dim=-1)
+        return out if self.bias is None else out + self.bias.float()
+
+
+def attn_weights(module: torch.nn.Module, family: Family, shape: Shape) -> AttnWeights:
+    """q/k/v/o weights and biases of a source attention module (fused qkv split)."""
+    attn = module.self_attn
+    if len(family.qkv) == 1:
+        fused = getattr(attn, family.qkv[0])
+        sizes = [shape.H * shape.d, shape.G * shape.d, shape.G * shape.d]
+        ws = fused.weight.split(sizes)
+        bs = fused.bias.split(sizes) if fused.bias is not None else (None, None, None)
+    else:
+        lin = [getattr(attn, n) for n in family.qkv]
+        ws, bs = [x.weight for x in lin], [x.bias for x in lin]
+    o = getattr(attn, family.o)
+    return AttnWeights(ws[0].detach(), ws[1].detach(), ws[2].detach(), o.weight.detach(),
+                           *(None if b is None else b.detach() for b in bs), None if o.bias is None else o.bias.detach())
+
+
+def cpu_weights(module, src: Source) -> AttnWeights:
+    aw = attn_weights(module, src.family, src.shape)
+    return AttnWeights(*(None if t is None else t.detach().cpu() for t in
+                             (aw.wq, aw.wk, aw.wv, aw.wo, aw.bq, aw.bk, aw.bv, aw.bo)))
+
+
+def mlp_tensors(module: torch.nn.Module, family: Family) -> dict[str, torch.Tensor]:
+    mlp = module.mlp
+    if len(family.gate_up) == 1:
+        gate, up = getattr(mlp, family.gate_up[0]).weight.detach().chunk(2)
+    else:
+        gate, up = (getattr(mlp, n).weight.detach() for n in family.gate_up)
+    return {"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up, "mlp.down_proj.weight": getattr(mlp, family.down).weight.detach(),
+            "input_layernorm.weight": getattr(module, family.norms[0]).weight.detach(),
+            "post_attention_layernorm.weight": getattr(module, family.norms[1]).weight.detach()}
+
+
+def run_stage_layer(module, family, attend, h):
+    """One decoder layer of the source with its attention replaced by `attend` (pre-norm residual)."""
+    norm1, norm2 = getattr(module, family.norms[0]), getattr(module, family.norms[1])
+    h = h + attend(norm1(h))
+    return h + module.mlp(norm2(h))
+
+
+def embedded(src: Source, ids: torch.Tensor, path: Path) -> RowStore:
+    store = RowStore(path, ids.shape[0], (ids.shape[1], src.shape.D))
+    embed_into(store, src.ckpt, src.family.embed + ".weight", ids)
+    return store
+
+
+
+class Moment:
+    """Running E[x~ x~^T] of x~ = [x; 1] over all tokens seen (fp64)."""
+
+    def __init__(self, dim: int, device="cpu"):
+        self.sum = torch.zeros(dim + 1, dim + 1, dtype=torch.float64, device=device)
+        self.max_norm = 0.0
+        self.normalised = False
+
+    def add(self, x: torch.Tensor) -> None:
+        if self.normalised:
+            raise RuntimeError("Moment.add after .value")
+        flat = x.reshape(-1, x.shape[-1]).double()
+        aug = torch.cat([flat, torch.ones(flat.shape[0], 1, dtype=flat.dtype, device=flat.device)], dim=1)
+        self.sum += aug.T @ aug
+        self.max_norm = max(self.max_norm, float(flat.norm(dim=-1).max()))
+
+    @property
+    def value(self) -> torch.Tensor:
+        """The moment (normalised in place on first use: the running sum is not kept twice)."""
+        if not self.normalised:
+            self.sum /= self.sum[-1, -1].clone()
+            self.normalised = True
+        return self.sum.cpu()
+
+
+def moment(module, family: Family, h: RowStore, shape: Shape, device: str) -> Moment:
+    """E[x~ x~^T] of the attention input (after the layer's first norm) over hidden states h."""
+    stat = Moment(shape.D, device)
+    norm1 = getattr(module, family.norms[0])
+    with torch.no_grad():
+        for _, b in h.blocks(ROW_BATCH):
+            stat.add(norm1(b.to(device)))
+    return stat
+
+
+def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path) -> list[torch.Tensor]:
+    """Pre-pass: every layer's RoPE component scores (`layer.slot_counts` turns them into slots per
+    frequency for a rope_dim, `engines.ladder_stride` into the stride of a plain ladder).
+
+    Scores only rank components, so a quarter of the calibration rows (at least 4) is enough."""
+    h = embedded(src, calib[: max(4, calib.shape[0] // 4)], scratch / "rope-prepass.f32")
+    src_pe = source_pe(src, calib.shape[1], s.device)
+    scores = []
+    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rope scores", unit="layer"):
+        module = load_layer(src, layer, s.device)
+        mom = moment(module, src.family, h, src.shape, s.device).value
+        scores.append(layer_rope_scores(cpu_weights(module, src), mom, src.shape, s.rope_method)[1])
+        h.map_(through(module, src_pe), ROW_BATCH, s.device)
+        del module
+    h.close()
+    return scores
+
+
+def rope_tables(rotary: torch.nn.Module, length: int, width: int, device: str) -> tuple:
+    """(cos, sin) of a transformers rotary-embedding module for positions 0..length-1."""
+    probe = torch.zeros(1, length, width, device=device)  # [1, T, D]: only its dtype/device are read
+    return rotary.to(device)(probe, torch.arange(length, device=device)[None])
+
+
+def source_pe(src: Source, length: int, device: str) -> tuple:
+    """The source's own (cos, sin) tables for positions 0..length-1."""
+    return rope_tables(src.family.rotary_class()(src.hf_config), length, src.shape.D, device)
+
+
+def through(module, pe):
+    """fn(block [b, T, D]) -> the source decoder layer's output on it (positions' RoPE tables `pe`)."""
+    return lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=pe))
+
+
+def _as_tensor(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def final_hidden(src: Source, h: torch.Tensor, norm_w: torch.Tensor) -> torch.Tensor:
+    """Final RMSNorm of every position but the last (those predict the next held-out token)."""
+    eps = float(src.config.get("rms_norm_eps", 1e-6))
+    x = h[:, :-1].float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (norm_w * x).reshape(-1, x.shape[-1])
+
+
+def head_chunks(ckpt: LazyCheckpoint, name: str, dev: str, chunk: int = 8192):
+    path = ckpt.folder / ckpt.weight_map[name]
+    for lo in range(0, tensor_rows(ckpt, name), chunk):
+        yield lo, read_rows(path, name, lo, lo + chunk).to(dev)
+
+
+def has_q_bias(src: Source) -> bool:
+    fused = len(src.family.qkv) == 1
+    name = f"{src.prefix}0.self_attn.{src.family.qkv[0]}.bias"
+    return name in src.ckpt if fused else f"{src.prefix}0.self_attn.q_proj.bias" in src.ckpt
+
+
+def source_scale(src: Source) -> float:
+    return float(getattr(src.hf_config, "query_pre_attn_scalar", None) or src.shape.d) ** -0.5
