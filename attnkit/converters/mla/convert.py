@@ -251,10 +251,9 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                                         map_dtype=torch.float32, centred=not t.engine, **t.kw)
                 attend, p32 = mla.attention_fn(low_p, t.positions, dev)
                 del low_p  # the native tensors are made from the fp32 copy (they are stored in <= fp32)
-                # latent norms on calibration rows [N*T]: the constant channel's size, or the engine export's scale
-                z = torch.cat([(norm1(b.to(dev)) @ p32.lat_w.T + p32.lat_b).flatten(0, -2).norm(dim=-1)
-                               for _, b in h_cal.blocks(ROW_BATCH)])
-                z_max = float(z.max())
+                if not t.engine:  # the constant channel's size: the largest latent norm on calibration rows
+                    z_max = max(float((norm1(b.to(dev)) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax())
+                                for _, b in h_cal.blocks(ROW_BATCH))
             elif k == "refit":
                 x = norm1(h_cal.read(0, REFIT_ROWS).to(dev))
                 attend, p32 = mla.attention_fn(refit_stage(mla.on_device(p32, "cpu"), aw, rope_plan, src, s.refit_query, mom, x), t.positions, dev)
@@ -302,22 +301,21 @@ def _measure_stage(attend, source_attn, norm1, source: RowStore, stream: RowStor
 
 def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor, h_cal: RowStore,
                     dev: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """The engine form of one layer: for each anchor ratio, kv_b refit on the normalised latents of the
-    calibration rows; the ratio whose refit reconstructs K and V best is kept."""
-    refits = {}
-    for ratio in ANCHOR_RATIOS:
-        anchor = anchor_row(mom, p.lat_w.double(), ratio)
-        refit = KvbRefit(p.lat_w.shape[0])
-        lat = torch.cat([p.lat_w.double(), anchor[None]]).float().to(dev)  # [m + 1, D]
-        for _, b in h_cal.blocks(ROW_BATCH):
-            c = norm1(b.to(dev)) @ lat.T  # [1, T, m + 1]
-            refit.add(c[..., :-1].cpu(), normalised_latent(c.double()).cpu())
-        refits[ratio] = (refit.relative_error(p.kvb_w), anchor, refit)
-    ratio = min(refits, key=lambda r: refits[r][0])
-    err, anchor, refit = refits[ratio]
-    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), anchor, refit.solve(p.kvb_w))
-    return tensors, {"anchor_ratio": ratio, "kv_refit_rel_err": err,
-                     "kv_refit_rel_err_by_ratio": {str(r): v[0] for r, v in refits.items()}}
+    """The engine form of one layer: kv_b refit on the normalised latents of the calibration rows for
+    every anchor ratio at once (the anchor's direction is the same, only its size differs; one pass
+    over the rows); the ratio whose refit reconstructs K and V best is kept."""
+    unit = anchor_row(mom, p.lat_w.double(), 1.0)
+    refits = {ratio: KvbRefit(p.lat_w.shape[0]) for ratio in ANCHOR_RATIOS}
+    lat = torch.cat([p.lat_w.double(), unit[None]]).float().to(dev)  # [m + 1, D]
+    for _, b in h_cal.blocks(ROW_BATCH):
+        c = (norm1(b.to(dev)) @ lat.T).double()  # [1, T, m + 1]: data latent, then the unit anchor
+        for ratio, refit in refits.items():
+            refit.add(c[..., :-1].cpu(), normalised_latent(torch.cat([c[..., :-1], ratio * c[..., -1:]], -1)).cpu())
+    errors = {ratio: refit.relative_error(p.kvb_w) for ratio, refit in refits.items()}
+    ratio = min(errors, key=errors.get)
+    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), ratio * unit, refits[ratio].solve(p.kvb_w))
+    return tensors, {"anchor_ratio": ratio, "kv_refit_rel_err": errors[ratio],
+                     "kv_refit_rel_err_by_ratio": {str(r): e for r, e in errors.items()}}
 
 
 def _exact_by_group(aw: mla.AttnWeights, shape: mla.Shape, mom: torch.Tensor, t: _Layers, dev: str):

@@ -5,7 +5,7 @@ vocabulary in chunks so a 128k-token head never has to be materialised at once."
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,43 +34,43 @@ class ErrorStat:
         return self.total / max(1, self.count)
 
 
-@dataclass
-class _Running:
-    """Streaming softmax statistics of logits b against the source's a, per token."""
+def _zeros(n: int, value: float = 0.0) -> torch.Tensor:
+    return torch.full((n,), value, dtype=torch.float64)
 
-    m_a: torch.Tensor
-    z_a: torch.Tensor
-    m_b: torch.Tensor
-    z_b: torch.Tensor
-    y: torch.Tensor  # sum exp(a - m_a) (a - b)
-    sq_diff: torch.Tensor
-    sq_a: torch.Tensor
-    tgt_b: torch.Tensor
-    tgt_a: torch.Tensor = field(default=None)
+
+@dataclass
+class _Source:
+    """Streaming softmax statistics of the source's logits a, per token (shared by every stage)."""
+
+    m: torch.Tensor
+    z: torch.Tensor
+    sq: torch.Tensor
+    tgt: torch.Tensor
 
     @classmethod
-    def new(cls, n: int) -> "_Running":
-        z = lambda v: torch.full((n,), v, dtype=torch.float64)  # noqa: E731
-        return cls(z(-float("inf")), z(0.0), z(-float("inf")), z(0.0), z(0.0), z(0.0), z(0.0), z(0.0), z(0.0))
+    def new(cls, n: int) -> "_Source":
+        return cls(_zeros(n, -float("inf")), _zeros(n), _zeros(n), _zeros(n))
 
 
-def _update(r: _Running, a: torch.Tensor, b: torch.Tensor, targets: torch.Tensor, lo: int) -> None:
-    a, b = a.double(), b.double()
-    new_ma = torch.maximum(r.m_a, a.max(dim=1).values)
-    keep = torch.exp(r.m_a - new_ma)
-    ea = torch.exp(a - new_ma[:, None])
-    r.z_a = r.z_a * keep + ea.sum(1)
-    r.y = r.y * keep + (ea * (a - b)).sum(1)
-    r.m_a = new_ma
-    new_mb = torch.maximum(r.m_b, b.max(dim=1).values)
-    r.z_b = r.z_b * torch.exp(r.m_b - new_mb) + torch.exp(b - new_mb[:, None]).sum(1)
-    r.m_b = new_mb
-    r.sq_diff += ((a - b) ** 2).sum(1)
-    r.sq_a += (a**2).sum(1)
-    inside = (targets >= lo) & (targets < lo + a.shape[1])
-    idx = (targets - lo).clamp(0, a.shape[1] - 1)[:, None]
-    r.tgt_a = torch.where(inside, a.gather(1, idx)[:, 0], r.tgt_a)
-    r.tgt_b = torch.where(inside, b.gather(1, idx)[:, 0], r.tgt_b)
+@dataclass
+class _Stage:
+    """Streaming statistics of one stage's logits b against the source's a, per token."""
+
+    y: torch.Tensor  # sum exp(a - m_a) (a - b)
+    m_b: torch.Tensor
+    z_b: torch.Tensor
+    sq_diff: torch.Tensor
+    tgt_b: torch.Tensor
+
+    @classmethod
+    def new(cls, n: int) -> "_Stage":
+        return cls(_zeros(n), _zeros(n, -float("inf")), _zeros(n), _zeros(n), _zeros(n))
+
+
+def _target_logit(old: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, lo: int) -> torch.Tensor:
+    inside = (targets >= lo) & (targets < lo + x.shape[1])
+    idx = (targets - lo).clamp(0, x.shape[1] - 1)[:, None]
+    return torch.where(inside, x.gather(1, idx)[:, 0], old)
 
 
 def logits_metrics(source: torch.Tensor, others: dict[str, torch.Tensor], targets: torch.Tensor,
@@ -78,24 +78,39 @@ def logits_metrics(source: torch.Tensor, others: dict[str, torch.Tensor], target
     """Compare final normed hidden states [N, D] of each model in `others` with `source`.
 
     `head_chunks()` yields (first_row, lm_head rows [V_chunk, D]). Returns the source perplexity and,
-    per model: logits_rel_err_mean/max, kl (mean nats/token) and ppl.
+    per model: logits_rel_err_mean/max, kl (mean nats/token) and ppl. The source's running softmax is
+    computed once per vocabulary chunk and shared by every model compared with it.
     """
     n = source.shape[0]
-    runs = {k: _Running.new(n) for k in others}
+    src, runs = _Source.new(n), {k: _Stage.new(n) for k in others}
     for lo, w in head_chunks():
         w = w.float()
         step = max(64, (1 << 21) // max(1, n))  # bound the [tokens, rows] fp64 temporaries to ~16 MB
         for sub in range(0, w.shape[0], step):
             ws = w[sub : sub + step]
-            a = source.float() @ ws.T
+            a = (source.float() @ ws.T).double()
+            new_m = torch.maximum(src.m, a.max(dim=1).values)
+            keep = torch.exp(src.m - new_m)
+            ea = torch.exp(a - new_m[:, None])
             for k, h in others.items():
-                _update(runs[k], a, h.float() @ ws.T, targets, lo + sub)
-    results, src_ppl = {}, None
+                r, b = runs[k], (h.float() @ ws.T).double()
+                r.y = r.y * keep + (ea * (a - b)).sum(1)
+                new_mb = torch.maximum(r.m_b, b.max(dim=1).values)
+                r.z_b = r.z_b * torch.exp(r.m_b - new_mb) + torch.exp(b - new_mb[:, None]).sum(1)
+                r.m_b = new_mb
+                r.sq_diff += ((a - b) ** 2).sum(1)
+                r.tgt_b = _target_logit(r.tgt_b, b, targets, lo + sub)
+            src.z = src.z * keep + ea.sum(1)
+            src.m = new_m
+            src.sq += (a**2).sum(1)
+            src.tgt = _target_logit(src.tgt, a, targets, lo + sub)
+    lse_a = src.m + src.z.log()
+    src_ppl = float(torch.exp((lse_a - src.tgt).mean()))
+    results = {}
     for k, r in runs.items():
-        lse_a, lse_b = r.m_a + r.z_a.log(), r.m_b + r.z_b.log()
-        kl = r.y / r.z_a - lse_a + lse_b
-        rel = (r.sq_diff / r.sq_a.clamp_min(1e-30)).sqrt()
-        src_ppl = float(torch.exp((lse_a - r.tgt_a).mean()))
+        lse_b = r.m_b + r.z_b.log()
+        kl = r.y / src.z - lse_a + lse_b
+        rel = (r.sq_diff / src.sq.clamp_min(1e-30)).sqrt()
         results[k] = {
             "logits_rel_err_mean": float(rel.mean()),
             "logits_rel_err_max": float(rel.max()),
