@@ -61,3 +61,16 @@ def test_stale_scratch_of_a_dead_run_is_removed(tmp_path):
     with atomic_output_dir(tmp_path / "o") as tmp:
         (tmp / "x").write_text("1")
     assert not stale.exists() and live.exists() and (tmp_path / "o" / "x").is_file()
+
+
+def test_reference_beside_a_reference_folder_says_which_is_used(tmp_path, monkeypatch, capsys):
+    from attnkit.io.resolve import REFERENCE_DIR, resolve_model
+
+    (tmp_path / "reference").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model("reference") == REFERENCE_DIR
+    err = capsys.readouterr().err
+    assert "bundled model" in err and "./reference" in err
+    monkeypatch.chdir(REFERENCE_DIR.parent.parent)  # no ./reference folder here: nothing said
+    resolve_model("reference")
+    assert capsys.readouterr().err == ""

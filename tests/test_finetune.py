@@ -227,6 +227,14 @@ def test_teacher_with_other_tokenizer_is_refused(tiny, tmp_path, capsys):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.run").exists()
 
 
+def test_teacher_with_the_students_own_weights_is_refused_unless_asked(tiny, tmp_path, capsys):
+    path = write_recipe(tmp_path / "r.yaml", **base_recipe(tmp_path, tiny["mla"], tiny["mla"], tiny["corpus"]))
+    assert run_cli(path) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "student's own weights" in err[0] and "teacher_is_student_ok" in err[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.run").exists()
+
+
 def test_lm_loss_plus_hidden_term_without_kl_trains(tiny, tmp_path):
     """The heal-mla default: CE + hidden, no KL (the teacher runs without its LM head)."""
     recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])

@@ -10,7 +10,7 @@ import torch
 
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import INDEX_FILE, SINGLE_FILE, LazyCheckpoint
+from attnkit.io.checkpoint import LazyCheckpoint, weights_fingerprint
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -25,18 +25,6 @@ def check_device(name: str | None) -> torch.device:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def weights_fingerprint(folder: Path) -> str | None:
-    """sha256 of the index file, or of a single file's safetensors header (names, dtypes, shapes,
-    offsets): identifies the weights without reading them."""
-    if (folder / INDEX_FILE).is_file():
-        return _sha256((folder / INDEX_FILE).read_bytes())
-    if not (folder / SINGLE_FILE).is_file():
-        return None
-    with open(folder / SINGLE_FILE, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return _sha256(f.read(n))
 
 
 def source_info(path: Path, model_type: str | None, model: str | None = None) -> dict:

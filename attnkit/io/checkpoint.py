@@ -9,6 +9,7 @@ Output goes to a temporary sibling folder that is renamed into place only when c
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -174,6 +175,19 @@ class ShardedWriter:
             weight_map.update({name: new for name in names})
         index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
         (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def weights_fingerprint(folder: Path) -> str | None:
+    """sha256 of the index file, or of a single file's safetensors header (names, dtypes, shapes,
+    offsets): identifies a checkpoint's weights without reading them."""
+    folder = Path(folder)
+    if (folder / INDEX_FILE).is_file():
+        return hashlib.sha256((folder / INDEX_FILE).read_bytes()).hexdigest()
+    if not (folder / SINGLE_FILE).is_file():
+        return None
+    with open(folder / SINGLE_FILE, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return hashlib.sha256(f.read(n)).hexdigest()
 
 
 def check_output_dir(out: str | os.PathLike, force: bool = False, sources: tuple = ()) -> Path:

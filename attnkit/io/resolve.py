@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
@@ -25,6 +26,9 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
                 f"the bundled reference model is missing from {REFERENCE_DIR}; "
                 "build it with `attnkit pretrain --config recipes/reference.yaml`"
             )
+        if Path(spec).exists():  # say which one is used: the word wins over a folder of that name
+            print(f"attnkit: `reference` is the bundled model ({REFERENCE_DIR}); for the folder here, write ./reference",
+                  file=sys.stderr)
         return REFERENCE_DIR
     path = Path(spec).expanduser()
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:

@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import torch
 from attnkit import __version__
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import check_output_dir
+from attnkit.io.checkpoint import check_output_dir, weights_fingerprint
 from attnkit.io.resolve import check_causal_lm, resolve_model
 from attnkit.recipes import batches, measure, state, teacher_cache, trainable
 from attnkit.recipes.export import final_model, input_dtype, save_healed
@@ -118,6 +119,12 @@ def check_teacher(spec: str | None, tokenizer, student_vocab: int) -> tuple[Path
     return path, config
 
 
+def same_weights(a: Path, b: Path) -> bool:
+    """The same folder, or folders whose weights have the same index / safetensors header."""
+    return a.resolve() == b.resolve() or (weights_fingerprint(a) is not None
+                                          and weights_fingerprint(a) == weights_fingerprint(b))
+
+
 def check_same_depth(spec: str, teacher_config: dict, student_config: dict) -> None:
     """loss.hidden_weight matches layer l to layer l: the two models need the same depth and width."""
     for key in ("num_hidden_layers", "hidden_size"):
@@ -134,6 +141,7 @@ def load_teacher(path: Path | None, config: dict, device):
         return None
     teacher = load_causal_lm(path, trust_remote_code="auto_map" in config).to(device).eval()
     teacher.requires_grad_(False)
+    print(f"attnkit finetune: teacher loaded from {path}", file=sys.stderr)
     return teacher
 
 
@@ -161,6 +169,10 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     tokenizer = load_tokenizer(student_path, trust)
     teacher_name = teacher_spec(recipe, student_path) if recipe.teacher else None  # also the retention reference
     teacher_path, teacher_config = check_teacher(teacher_name, tokenizer, config.get("vocab_size"))
+    if teacher_path is not None:
+        if same_weights(teacher_path, student_path) and not recipe.teacher_is_student_ok:
+            raise AttnkitError(f"teacher {teacher_name} has the student's own weights: distilling from it teaches "
+                               "nothing (set teacher_is_student_ok=true to do it anyway)")
     if recipe.loss.hidden_weight > 0:
         check_same_depth(teacher_name, teacher_config, config)
     total_steps, rows_per_step = batches.plan_steps(recipe.data, recipe.train, world)

@@ -98,6 +98,7 @@ class LogSection:
 class Recipe:
     model: str = ""  # the student: a converted model folder, Hub id or `reference`
     teacher: str | None = None  # source model; `source` = the model named in attnkit_report.json
+    teacher_is_student_ok: bool = False  # a teacher with the student's own weights is refused unless set
     output_dir: str = ""
     run_dir: str | None = None  # checkpoints and logs (default: OUTPUT_DIR.run)
     force: bool = False  # replace a non-empty output_dir
