@@ -44,6 +44,8 @@ def _add_convert(sub) -> None:
         "convert",
         help="rewrite a checkpoint's attention (MLA, DEX, DIFF)",
         description="Rewrite the attention of MODEL and write a new checkpoint into OUT (atomically).",
+        epilog="example:\n  attnkit convert --to mla reference -o out/ref-mla --kv-lora-rank 28 --rope-dim 48\n"
+        "  attnkit convert --to dex reference -o out/ref-dex --heads auto",
     )
     p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex"], help="target attention")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
@@ -69,7 +71,7 @@ def _add_convert(sub) -> None:
         choices=["engines", "transformers"],
         default="engines",
         help="engines: a DeepSeek-V3 checkpoint within what llama.cpp, vLLM and SGLang implement (no attention biases, "
-        "interleaved RoPE, a plain RoPE ladder); transformers: exact at full size, loads correctly in transformers >= 5 only",
+        "interleaved RoPE, a plain RoPE ladder); transformers: exact at full size, runs in transformers only",
     )
     mla.add_argument(
         "--rope-frequencies",
@@ -99,6 +101,7 @@ def _add_finetune(sub) -> None:
         "finetune",
         help="heal a converted model (one process; use `accelerate launch -m attnkit.finetune` for several)",
         description="Fine-tune a converted model from a YAML recipe; `key=value` overrides follow the config.",
+        epilog="example:\n  attnkit finetune --config recipes/heal-mla.yaml model=out/ref-mla output_dir=out/ref-mla-healed",
     )
     _add_recipe_args(p, "recipes/heal-mla.yaml")
 
@@ -116,6 +119,7 @@ def _add_eval(sub) -> None:
         "eval",
         help="measure quality with lm-eval-harness (offline bundled tasks by default)",
         description="Evaluate MODEL (and --baseline) on lm-eval tasks; print a table, write JSON.",
+        epilog="example:\n  attnkit eval out/ref-mla --baseline reference --tasks attnkit-core --out results.json",
     )
     _add_measured_models(p, "evaluation", "a second model; retention = model / baseline")
     p.add_argument(
@@ -136,6 +140,7 @@ def _add_bench(sub) -> None:
         "bench",
         help="measure prefill/decode speed, peak memory and KV-cache bytes",
         description="Benchmark MODEL (and --baseline) at several context lengths and batch sizes.",
+        epilog="example:\n  attnkit bench out/ref-mla --baseline reference --context 1024,4096",
     )
     _add_measured_models(p, "benchmark", "a second model measured side by side")
     p.add_argument("--context", type=_int_list, default=[1024, 4096, 16384], help="context lengths, comma-separated")
@@ -154,7 +159,12 @@ def _add_bench(sub) -> None:
 
 
 def _add_push(sub) -> None:
-    p = sub.add_parser("push", help="upload a converted/healed folder to the Hub with a model card")
+    p = sub.add_parser(
+        "push",
+        help="upload a converted/healed folder to the Hub with a model card",
+        description="Upload OUT to a Hub repository; the model card (README.md) is written from OUT's reports.",
+        epilog="example:\n  attnkit push out/ref-mla-healed --repo-id you/ref-mla-healed --private",
+    )
     p.add_argument("folder", metavar="OUT", help="a folder written by attnkit convert/finetune")
     p.add_argument("--repo-id", required=True, metavar="USER/NAME", help="target repository")
     p.add_argument("--private", action="store_true", help="create the repository private")
@@ -169,6 +179,7 @@ def _add_pretrain(sub) -> None:
         "pretrain",
         help="train the bundled reference model (tokenizer + small GQA Llama) from a recipe",
         description="Train the reference model; resumable from the last checkpoint in its run folder.",
+        epilog="example:\n  attnkit pretrain --config recipes/reference.yaml",
     )
     _add_recipe_args(p, "recipes/reference.yaml")
 
@@ -184,10 +195,27 @@ def _add_tasks(sub) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Bad arguments are one line (and exit 2), not the usage block followed by the error."""
+    """Bad arguments are one line (and exit 2), not the usage block followed by the error; every
+    option's default is shown in --help and the epilog (an example) keeps its lines."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default unless its help already says it or there is none (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and default is not None and default is not False
+                and default is not argparse.SUPPRESS and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,3 +45,19 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
 def test_console_script_runs_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-m", "attnkit.cli", "--help"], capture_output=True, text=True, check=True)
     assert "convert" in out.stdout and "pretrain" in out.stdout
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "tasks"])
+def test_help_shows_defaults_and_an_example(command, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    text = capsys.readouterr().out
+    assert "example:" in text and f"attnkit {command} " in text.split("example:")[1]
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_convert_help_names_numeric_defaults(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["convert", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0)" in text and "(default: engines)" in text and "(default: 512)" in text
