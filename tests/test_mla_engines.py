@@ -116,7 +116,7 @@ def test_kv_b_refit_is_exact_when_the_norm_is_a_constant_scale():
     refit.add(c[200:], n[200:])
     B = refit.solve(kvb)
     assert torch.allclose(torch.einsum("hem,tm->the", B, n), torch.einsum("hem,tm->the", kvb, c), atol=1e-8)
-    assert refit.relative_error(kvb) < 1e-12
+    assert refit.relative_error(kvb, B) < 1e-12
 
 
 def test_anchor_is_the_steadiest_direction_at_its_ratio():
@@ -228,3 +228,5 @@ def test_engine_sizes_are_reported_with_the_backends_that_take_them():
     assert small["llama.cpp"] == "yes" and small["vLLM"].startswith("no") and "qk_rope_head_dim 64" in small["vLLM"]
     assert all(v.startswith("no") for k, v in engine_support(512, 64, 128, 128, "transformers").items()
                if k != "transformers")
+    assert "longrope" in engine_support(512, 64, 128, 128, "transformers", "exact")["vLLM"]
+    assert "longrope" not in engine_support(512, 64, 128, 128, "transformers", "geometric")["vLLM"]

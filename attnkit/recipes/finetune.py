@@ -121,8 +121,8 @@ def check_teacher(spec: str | None, tokenizer, student_vocab: int) -> tuple[Path
 
 def same_weights(a: Path, b: Path) -> bool:
     """The same folder, or folders whose weights have the same index / safetensors header."""
-    return a.resolve() == b.resolve() or (weights_fingerprint(a) is not None
-                                          and weights_fingerprint(a) == weights_fingerprint(b))
+    fingerprint = weights_fingerprint(a)
+    return a.resolve() == b.resolve() or (fingerprint is not None and fingerprint == weights_fingerprint(b))
 
 
 def check_same_depth(spec: str, teacher_config: dict, student_config: dict) -> None:

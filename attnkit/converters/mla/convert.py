@@ -311,9 +311,10 @@ def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor
         c = (norm1(b.to(dev)) @ lat.T).double()  # [1, T, m + 1]: data latent, then the unit anchor
         for ratio, refit in refits.items():
             refit.add(c[..., :-1].cpu(), normalised_latent(torch.cat([c[..., :-1], ratio * c[..., -1:]], -1)).cpu())
-    errors = {ratio: refit.relative_error(p.kvb_w) for ratio, refit in refits.items()}
+    kv_b = {ratio: refit.solve(p.kvb_w) for ratio, refit in refits.items()}  # [H, 2d, m + 1] each
+    errors = {ratio: refit.relative_error(p.kvb_w, kv_b[ratio]) for ratio, refit in refits.items()}
     ratio = min(errors, key=errors.get)
-    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), ratio * unit, refits[ratio].solve(p.kvb_w))
+    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), ratio * unit, kv_b[ratio])
     return tensors, {"anchor_ratio": ratio, "kv_refit_rel_err": errors[ratio],
                      "kv_refit_rel_err_by_ratio": {str(r): e for r, e in errors.items()}}
 

@@ -12,11 +12,10 @@ what llama.cpp, vLLM and SGLang implement (docs/serving.md cites their code):
 - the latent RMSNorm: with no bias there is no constant to make it a fixed scale, and its epsilon
   cannot help (transformers fixes it at 1e-6 for `kv_a_layernorm`, llama.cpp and vLLM use
   `rms_norm_eps`). One latent channel is an *anchor*: the direction of the normed input whose
-  projection varies least from token to token (Sigma^-1 mu), large enough to dominate the latent's
-  RMS, so the norm divides every token by nearly the same number; `kv_b_proj` is then refit by least
-  squares on the normalised latents of calibration text (`refit_kv_b`). What remains is a per-token
-  scale error of a few percent (the step `native` in the report measures it), which healing
-  recovers;
+  projection varies least from token to token (Sigma^-1 mu), sized per layer (ANCHOR_RATIOS) so that
+  the norm divides every token by as nearly the same number as that layer allows; `kv_b_proj` is then
+  refit by least squares on the normalised latents of calibration text (`KvbRefit`). What remains is
+  a per-token scale error (the step `native` in the report measures it), which healing recovers;
 - the LM head is written explicitly (vLLM does not tie DeepSeek's).
 """
 
@@ -86,10 +85,11 @@ class KvbRefit:
         self.gram += n.T @ n
         self.data += c.T @ c
 
-    def relative_error(self, kvb_w: torch.Tensor) -> float:
-        """sum_t |B n_t - K c_t|^2 / sum_t |K c_t|^2 with B = solve(K): what the refit cannot recover."""
+    def relative_error(self, kvb_w: torch.Tensor, kv_b: torch.Tensor) -> float:
+        """sum_t |B n_t - K c_t|^2 / sum_t |K c_t|^2 for K = kvb_w and B = kv_b = solve(kvb_w): what the
+        refit cannot recover."""
         K = kvb_w.double().reshape(-1, kvb_w.shape[-1])  # [H 2d, m]
-        B = self.solve(kvb_w).reshape(K.shape[0], -1)
+        B = kv_b.double().reshape(K.shape[0], -1)
         target = torch.trace(K @ self.data @ K.T)
         err = target - 2 * torch.trace(K @ self.cross @ B.T) + torch.trace(B @ self.gram @ B.T)
         return float(err.clamp_min(0) / target.clamp_min(1e-30))
@@ -132,11 +132,13 @@ VLLM_PREFILL_HEADS = {(128, 128), (64, 128), (192, 256)}
 VLLM_DECODE_SIZES = {320, 512, 576}
 
 
-def engine_support(kv_lora_rank: int, rope_dim: int, nope: int, v: int, form: str) -> dict[str, str]:
+def engine_support(kv_lora_rank: int, rope_dim: int, nope: int, v: int, form: str,
+                   rope_frequencies: str = "ladder") -> dict[str, str]:
     """Per engine: "yes", or why this checkpoint's sizes or form cannot run there (said at conversion
     time, in the report and the card, not discovered at serve time)."""
     if form != "engines":
-        no = "no: attention biases (dropped or refused) and longrope factors (not applied)"
+        factors = " and longrope factors (not applied)" if rope_frequencies == "exact" else ""
+        no = f"no: attention biases (dropped or refused){factors}"
         return {"transformers": "yes", "llama.cpp": no, "vLLM": no, "SGLang": no}
     vllm = []
     if rope_dim != 64 or (nope, v) not in VLLM_PREFILL_HEADS:

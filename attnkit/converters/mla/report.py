@@ -52,7 +52,7 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
         "lossy_steps": lossy,
         "ppl": {"before": src_ppl, "after": metrics["native"]["ppl"]},
         "load": {"trust_remote_code": False, "rope_frequencies": s.rope_frequencies, "needs": _needs(s)},
-        "serving": engine_support(s.kv_lora_rank, s.rope_dim, shape.d, shape.d, s.target),
+        "serving": engine_support(s.kv_lora_rank, s.rope_dim, shape.d, shape.d, s.target, s.rope_frequencies),
         "calibration": {"source": s.calib, "tokens": s.calib_tokens, "seq_len": s.seq_len},
         "layers": per_layer,
     }
