@@ -2,3 +2,16 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import importlib.util
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(relative: str, name: str):
+    """A script under benchmarks/ imported as a module (they are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / relative)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

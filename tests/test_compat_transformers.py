@@ -3,17 +3,15 @@
 The cross-version measurement itself is in docs/compat.md; here: the legacy keys are what 4.x needs,
 and writing them changes nothing for the transformers 5 this suite runs with.
 """
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_benchmark
 import torch
 
 from attnkit.converters.mla.legacy import min_transformers
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "compat_transformers.py"
 
 LONGROPE = {"rope_type": "longrope", "factor": 1.0, "rope_theta": 10000.0, "long_factor": [1.0, 0.5, 0.25, 2.0],
             "short_factor": [1.0, 0.5, 0.25, 2.0], "original_max_position_embeddings": 4096,
@@ -27,10 +25,7 @@ DEFAULT = {"rope_type": "default", "rope_theta": 50000.0}
 
 @pytest.fixture(scope="module")
 def ct():
-    spec = importlib.util.spec_from_file_location("bench_compat_transformers", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("compat_transformers.py", "bench_compat_transformers")
 
 
 def test_default_rope_writes_theta_and_null_scaling(ct):

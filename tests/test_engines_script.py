@@ -1,19 +1,14 @@
 """Pure helpers of benchmarks/engines/llama_cpp.py (no build, no llama.cpp, no model)."""
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "engines" / "llama_cpp.py"
 
 
 @pytest.fixture(scope="module")
 def lc():
-    spec = importlib.util.spec_from_file_location("bench_llama_cpp", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("engines/llama_cpp.py", "bench_llama_cpp")
 
 
 def test_windows_follow_llama_perplexity(lc):
