@@ -194,6 +194,69 @@ def test_push_http_errors_are_one_line(model_dir, online, monkeypatch, tmp_path,
     assert words in _one_line_error(capsys)
 
 
+def _tree(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (relative path → sha256 of its bytes)."""
+    import hashlib
+
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _unreachable_endpoint() -> str:
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("card", ["none", "generated"])
+@pytest.mark.parametrize(
+    ("failure", "words"),
+    [
+        (("validate_yaml", 400), "rejected the model card metadata"),
+        (("create_repo", 403), "may not write to"),
+        (("preupload", 404), "not found"),
+        (("commit", 500), "server error (500)"),
+        ("unreachable", "cannot reach the Hub"),
+    ],
+    ids=["card-refused", "403", "404", "500", "unreachable"],
+)
+def test_failed_push_changes_nothing_in_the_folder(model_dir, online, monkeypatch, tmp_path, capsys, card, failure, words):
+    """The refreshed card travels in the upload; the folder is written only after the push succeeded."""
+    import huggingface_hub.utils._http as hf_http
+
+    from attnkit.io.model_card import write_model_card
+
+    monkeypatch.setattr(hf_http.time, "sleep", lambda seconds: None)  # no backoff waits on 500
+    folder = _copy(model_dir, tmp_path)
+    if card == "generated":
+        write_model_card(folder)  # as convert leaves it: no repo id in the loading snippet yet
+    before = _tree(folder)
+    with HubServer(TOKEN) as hub:
+        if failure == "unreachable":
+            argv = ["push", str(folder), "--repo-id", "alice/tiny-mla", "--endpoint", _unreachable_endpoint(), "--token", TOKEN]
+            assert cli_main(argv) == 2
+        else:
+            hub.fail[failure[0]] = failure[1]
+            assert _push(folder, hub) == 2
+    assert words in _one_line_error(capsys)
+    assert _tree(folder) == before
+
+
+def test_successful_push_leaves_the_pushed_card_in_the_folder(model_dir, online, tmp_path):
+    folder = _copy(model_dir, tmp_path)
+    before = _tree(folder)
+    with HubServer(TOKEN) as hub:
+        assert _push(folder, hub) == 0
+        remote = hub.files("alice/tiny-mla")
+    assert (folder / "README.md").read_bytes() == remote["README.md"]
+    assert b'from_pretrained("alice/tiny-mla")' in remote["README.md"]
+    after = _tree(folder)
+    assert {k: v for k, v in after.items() if k != "README.md"} == before  # nothing else written
+    assert not list(folder.glob("*.tmp.*")) and not list(tmp_path.glob("attnkit-push-*"))
+
+
 def test_push_wrong_token_is_401(model_dir, online, tmp_path, capsys):
     with HubServer(TOKEN) as hub:
         assert _push(_copy(model_dir, tmp_path), hub, token="hf_wrong") == 2

@@ -3,7 +3,11 @@
 Order of work: everything that can be checked locally (the folder loads: config, weights,
 tokenizer, remote code; the token exists; the repo id is well formed) is checked BEFORE the
 first network call, so a bad folder never leaves a half-filled repository behind. Then
-`create_repo(exist_ok=True)` → (branch) → card validation → `upload_folder`.
+card validation → `create_repo(exist_ok=True)` → (branch) → `upload_folder`.
+
+The folder itself is not touched until the upload succeeded: the refreshed card (it names the
+repo id) is uploaded from a staging folder of symlinks to the folder's files plus the new
+README.md, and written into the folder only afterwards, so a failed push changes nothing there.
 
 Resumability: with `hf_xet` installed (a default dependency of huggingface_hub on x86-64 and
 arm64), `upload_folder` streams files in several commits and an interrupted push resumes by
@@ -13,14 +17,18 @@ huggingface_hub 2.x has no separate `upload_large_folder`; this is its replaceme
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import INDEX_FILE, LazyCheckpoint, keys_of
-from attnkit.io.model_card import CARD_FILE, write_model_card
+from attnkit.io.model_card import CARD_FILE, generated_card, save_card
 
 # Never uploaded: training state, caches, editor/OS litter and attnkit's own temporary files.
 # Directory patterns end with "/" (huggingface_hub matches everything below them).
@@ -232,6 +240,32 @@ def _validate_card(endpoint: str, token: str, content: str) -> None:
     hf_raise_for_status(response)
 
 
+@contextlib.contextmanager
+def staged_folder(plan: PushPlan, card: str | None) -> Iterator[Path]:
+    """A temporary folder that `upload_folder` sees as the folder to push: a symlink per file of the
+    plan (no copy of the weights), with README.md replaced by `card` when one is given. Why: the
+    upload must carry the new card while the user's folder stays as it was until the push succeeded."""
+    with tempfile.TemporaryDirectory(prefix="attnkit-push-") as tmp:
+        stage = Path(tmp)
+        for rel in plan.files:
+            if card is not None and rel == CARD_FILE:
+                continue
+            link = stage / rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to((plan.folder / rel).absolute())
+        if card is not None:
+            (stage / CARD_FILE).write_bytes(card.encode("utf-8"))
+        yield stage
+
+
+def _keep_card(folder: Path, card: str) -> None:
+    """After a successful push, the folder's card is the one on the Hub; a read-only folder only gets a note."""
+    try:
+        save_card(folder, card)
+    except OSError as exc:
+        print(f"attnkit: note: pushed, but {folder / CARD_FILE} could not be updated ({exc.strerror or exc})", file=sys.stderr)
+
+
 def push(
     folder: str | os.PathLike,
     repo_id: str,
@@ -242,7 +276,8 @@ def push(
     revision: str | None = None,
     create_pr: bool = False,
 ) -> str:
-    """Validate, refresh the card, upload; return the URL of the commit, PR or repo."""
+    """Validate, upload with a refreshed card, then keep that card locally; return the URL of the
+    commit, PR or repo. Nothing in `folder` changes unless the upload succeeded."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -254,27 +289,32 @@ def push(
     endpoint = resolve_endpoint(endpoint)
     if constants.is_offline_mode():
         raise AttnkitError("HF_HUB_OFFLINE is set: unset it to push")
-    card_path = write_model_card(plan.folder, repo_id=repo_id)
-    if CARD_FILE not in plan.files:
-        plan.files.append(CARD_FILE)
+    card = generated_card(plan.folder, repo_id=repo_id)  # None: the folder's own README.md goes as it is
+    if card is None:
+        card_text = (plan.folder / CARD_FILE).read_text(encoding="utf-8", errors="replace")
+    else:
+        card_text = card
+        if CARD_FILE not in plan.files:
+            plan.files.append(CARD_FILE)
     print(f"pushing {len(plan.files)} files ({plan.total_bytes / 1e6:.1f} MB) from {plan.folder} to {repo_id} on {endpoint}")
 
     api = HfApi(endpoint=endpoint, token=token)
     rev = revision or "main"
     try:
-        _validate_card(endpoint, token, card_path.read_text(encoding="utf-8"))  # before the repo exists
+        _validate_card(endpoint, token, card_text)  # before the repo exists
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
         print(f"repository: {repo_url}")
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id,
-            folder_path=plan.folder,
-            ignore_patterns=list(IGNORE_PATTERNS),
-            revision=revision,
-            create_pr=create_pr,
-            commit_message="Upload model converted with attnkit",
-        )
+        with staged_folder(plan, card) as stage:
+            info = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=stage,
+                ignore_patterns=list(IGNORE_PATTERNS),
+                revision=revision,
+                create_pr=create_pr,
+                commit_message="Upload model converted with attnkit",
+            )
     except HfHubHTTPError as exc:
         raise _http_error(exc, repo_id, rev, endpoint) from None
     except Exception as exc:
@@ -282,6 +322,8 @@ def push(
         if isinstance(exc, ConnectionError) or type(exc).__module__.startswith(("httpx", "httpcore")):
             raise _http_error(exc, repo_id, rev, endpoint) from None
         raise
+    if card is not None:
+        _keep_card(plan.folder, card)
     url = getattr(info, "pr_url", None) or getattr(info, "commit_url", None) or str(repo_url)
     if revision and revision != "main":
         print(f"branch: {endpoint}/{repo_id}/tree/{revision}")

@@ -376,19 +376,31 @@ def display_name(folder: Path) -> str:
     return match.group(1) if match else folder.name
 
 
-def write_model_card(folder: Path, repo_id: str | None = None) -> Path:
-    """Write README.md into `folder` from the reports it holds; returns the path.
-
-    Never replaces a README that attnkit did not write (no marker line): a user's own card wins.
-    """
+def generated_card(folder: Path, repo_id: str | None = None) -> str | None:
+    """The card attnkit would write for `folder` (no file is written), or None when the folder's
+    README.md is not attnkit's (no marker line): a user's own card wins and is used as it is."""
     folder = Path(folder)
     if not folder.is_dir():
         raise AttnkitError(f"{folder} is not a folder")
     path = folder / CARD_FILE
     if path.is_file() and GENERATED_MARKER not in path.read_text(encoding="utf-8", errors="replace"):
-        return path
-    card = build_card(read_reports(folder), repo_id=repo_id, name=display_name(folder))
+        return None
+    return str(build_card(read_reports(folder), repo_id=repo_id, name=display_name(folder)))
+
+
+def save_card(folder: Path, text: str) -> Path:
+    """Write `text` as the folder's README.md through a temporary file (never a half-written card)."""
+    path = Path(folder) / CARD_FILE
     tmp = path.with_name(path.name + ".tmp")
-    card.save(tmp)
+    tmp.write_text(text, encoding="utf-8", newline="")
     tmp.replace(path)
     return path
+
+
+def write_model_card(folder: Path, repo_id: str | None = None) -> Path:
+    """Write README.md into `folder` from the reports it holds; returns the path.
+
+    Never replaces a README that attnkit did not write (no marker line): a user's own card wins.
+    """
+    text = generated_card(folder, repo_id)
+    return Path(folder) / CARD_FILE if text is None else save_card(folder, text)
