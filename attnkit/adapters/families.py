@@ -25,6 +25,10 @@ class Family:
     embed: str = "model.embed_tokens"
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"
+    # which linear layers carry a bias: True (always), False (never), or the config field that says
+    qkv_bias: bool | str = "attention_bias"
+    o_bias: bool | str = "attention_bias"
+    mlp_bias: bool | str = "mlp_bias"
     # how the attention turns hidden states into per-head q, k, v at run time:
     # "rotate_half" = separate q/k/v projections + the family's rotate-half RoPE (Llama-like);
     # "latent" = DeepSeek's MLA (latent + shared RoPE key); None = no runtime retrofit (fused qkv)
@@ -56,10 +60,11 @@ _ALREADY_MLA = "the model already uses MLA"
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "Llama"),
-    Family("mistral", "Mistral", sliding_window="config"),
-    Family("qwen2", "Qwen2", sliding_window="module"),
-    Family("phi3", "Phi3", qkv=("qkv_proj",), gate_up=("gate_up_proj",), attention=None),
-    Family("deepseek_v3", "DeepseekV3", attention="latent", mla_refusal=_ALREADY_MLA),
+    Family("mistral", "Mistral", sliding_window="config", qkv_bias=False, o_bias=False, mlp_bias=False),
+    Family("qwen2", "Qwen2", sliding_window="module", qkv_bias=True, o_bias=False, mlp_bias=False),
+    Family("phi3", "Phi3", qkv=("qkv_proj",), gate_up=("gate_up_proj",), attention=None, qkv_bias=False,
+           o_bias=False, mlp_bias=False),
+    Family("deepseek_v3", "DeepseekV3", attention="latent", mla_refusal=_ALREADY_MLA, mlp_bias=False),
     Family("deepseek_v2", "DeepseekV2", attention=None, mla_refusal=_ALREADY_MLA),
     Family("gemma2", "Gemma2", attention=None, mla_refusal=(
         "Gemma-2 has sandwich norms (post-attention/post-feedforward RMSNorm), attention-logit softcapping "

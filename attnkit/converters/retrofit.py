@@ -21,6 +21,7 @@ from attnkit import __version__
 from attnkit.converters.common import DTYPES, calibration_tokens, check_device, source_dtype, source_info
 from attnkit.converters.dex.heads import normalized_entropy
 from attnkit.converters.diff.layer import head_rms
+from attnkit.converters.shapes import check_weights
 from attnkit.errors import AttnkitError
 from attnkit.evaluation.kv import kv_cache_bytes_per_token
 from attnkit.io.checkpoint import LazyCheckpoint, atomic_output_dir, check_output_dir
@@ -59,6 +60,7 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
             f"attention of model_type {model_type!r} is not recognised for {method.upper()} "
             f"(supported: {', '.join(sorted(CLASSES))})"
         )
+    check_weights(path, config)  # every tensor's shape against the config, from the headers
     device = check_device(args.device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

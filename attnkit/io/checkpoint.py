@@ -74,6 +74,21 @@ class LazyCheckpoint:
     def total_bytes(self) -> int:
         return sum((self.folder / shard).stat().st_size for shard in set(self.weight_map.values()))
 
+    def header(self) -> dict[str, dict]:
+        """name -> {"dtype": "BF16", "shape": [..]} from the shards' safetensors headers: what a
+        check needs about every tensor, without reading any tensor data."""
+        merged: dict[str, dict] = {}
+        for shard in sorted(set(self.weight_map.values())):
+            merged.update(read_header(self.folder / shard))
+        missing = [name for name in self.weight_map if name not in merged]
+        if missing:
+            raise AttnkitError(f"tensor {missing[0]!r} is listed in the index of {self.folder} but not in its shard")
+        return {name: merged[name] for name in self.weight_map}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """name -> shape, from the headers only."""
+        return {name: tuple(h["shape"]) for name, h in self.header().items()}
+
 
 def keys_of(path: Path) -> list[str]:
     try:
@@ -81,6 +96,25 @@ def keys_of(path: Path) -> list[str]:
             return list(handle.keys())
     except Exception as exc:
         raise AttnkitError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+MAX_HEADER = 100 * 1024**2  # safetensors' own limit on the JSON header
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The JSON header of one safetensors file (name -> dtype, shape, data_offsets), `__metadata__` left out."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= MAX_HEADER:
+                raise ValueError(f"header length {size}")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise AttnkitError(f"{path} is not a readable safetensors file ({exc})") from None
+    header.pop("__metadata__", None)
+    return header
 
 
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",

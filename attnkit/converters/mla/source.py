@@ -20,6 +20,7 @@ from attnkit.converters.families import describe
 from attnkit.converters.mla.layer import AttnWeights, Shape
 from attnkit.converters.mla.layer import rope_scores as layer_rope_scores
 from attnkit.converters.mla.settings import Settings
+from attnkit.converters.shapes import check_weights
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint
 from attnkit.io.resolve import check_causal_lm, resolve_model
@@ -46,12 +47,13 @@ def open_source(model: str) -> Source:
     path = resolve_model(model)
     config = check_causal_lm(path)
     family = describe(config)
+    ckpt = check_weights(path, config)  # every tensor's shape against the config, from the headers
     hf_config = AutoConfig.from_pretrained(path)
     hf_config._attn_implementation = "sdpa"
     D, H = hf_config.hidden_size, hf_config.num_attention_heads
     G = getattr(hf_config, "num_key_value_heads", None) or H
     d = getattr(hf_config, "head_dim", None) or D // H
-    return Source(path, config, hf_config, family, LazyCheckpoint(path), Shape(D, H, G, d), "model.layers.")
+    return Source(path, config, hf_config, family, ckpt, Shape(D, H, G, d), "model.layers.")
 
 
 def load_layer(src: Source, layer: int, device: str, mlp: bool = True) -> torch.nn.Module:
