@@ -81,6 +81,7 @@ def test_eval_with_baseline_writes_the_documented_schema(tiny_model, tmp_path, c
     result = json.loads(out.read_text())
     assert result["schema"] == "attnkit.eval/v1"
     assert result["tasks"] == ["attnkit-ppl", "attnkit-recall-256"]
+    assert result["limit"] == 2  # a partial run says so: the model card keeps it out of model-index
     model = result["models"]["model"]
     assert set(model) >= {"name", "path", "params", "dtype", "kv_cache_bytes_per_token", "metrics"}
     # 2 (K, V) x 2 layers x 2 KV heads x head_dim 8 x 4 bytes, measured from the cache object

@@ -184,3 +184,195 @@ def test_any_eval_results_round_trip_into_model_index(tmp_path_factory, metrics)
     card = ModelCard.load(write_model_card(folder, repo_id="a/b"))
     got = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
     assert got == {(t, m): float(v) for t, ms in metrics.items() for m, v in ms.items()}
+
+
+# ---------------------------------------------------------------- the card tells the truth
+
+
+def _card(folder: Path, repo_id: str | None = None) -> tuple[dict, str]:
+    path = write_model_card(folder, repo_id=repo_id)
+    return _meta(path), path.read_text()
+
+
+def test_no_local_path_anywhere_in_the_card(tmp_path):
+    home = "/home/u"
+    convert = dict(CONVERT, source=dict(CONVERT["source"], model=f"{home}/my-llama", path=f"{home}/my-llama"),
+                   settings=dict(CONVERT["settings"], out=f"{home}/out/llama-mla", calib=f"{home}/texts"),
+                   calibration={"source": f"{home}/texts", "held_out_from": "validation split"})
+    finetune = dict(FINETUNE, base_model=f"{home}/out/llama-mla", base_model_path=f"{home}/out/llama-mla",
+                    teacher=f"{home}/my-llama", teacher_path=f"{home}/my-llama",
+                    recipe={"config": f"{home}/recipes/heal.yaml", "output_dir": f"{home}/healed", "model": "../out/llama-mla"})
+    eval_results = {"limit": None, "models": {"model": {"name": "~/healed", "metrics": {"attnkit-complete": {"acc": 0.5}}},
+                                              "baseline": {"name": f"{home}/my-llama", "path": f"{home}/my-llama",
+                                                           "metrics": {"attnkit-complete": {"acc": 0.6}}}}}
+    folder = _folder(tmp_path, attnkit_report__json=convert, finetune_report__json=finetune, eval_results__json=eval_results)
+    meta, text = _card(folder)
+    assert home not in text and "~/" not in text and "../" not in text and str(tmp_path) not in text
+    assert "`my-llama` with its attention rewritten" in text and "from `my-llama` (model type" in text
+    assert "| model trained | llama-mla |" in text and "| teacher (distillation) | my-llama |" in text
+    assert "baseline (my-llama)" in text and "| out | llama-mla |" in text and "| calib | texts |" in text
+    assert "base_model" not in meta
+
+
+def test_bundled_reference_and_relative_local_sources_are_named_by_folder(tmp_path):
+    reference = dict(CONVERT, source=dict(CONVERT["source"], model="reference", path="/site/attnkit/assets/reference"))
+    meta, text = _card(_folder(tmp_path, attnkit_report__json=reference))
+    assert "from `reference` (attnkit's bundled reference model)" in text and "/site" not in text
+    assert "base_model" not in meta
+    # `out/qwen` read as a local folder (relative path recorded as such) is not the Hub model out/qwen
+    local = dict(CONVERT, source=dict(CONVERT["source"], model="out/qwen", path="out/qwen"))
+    (tmp_path / "two").mkdir()
+    meta, text = _card(_folder(tmp_path / "two", attnkit_report__json=local))
+    assert "base_model" not in meta and "`qwen` with its attention" in text
+    # a Hub id read from the Hub cache stays a Hub id
+    hub = dict(CONVERT, source=dict(CONVERT["source"], path="/c/hub/models--Qwen--Qwen2.5-0.5B/snapshots/abc"))
+    (tmp_path / "three").mkdir()
+    assert _card(_folder(tmp_path / "three", attnkit_report__json=hub))[0]["base_model"] == "Qwen/Qwen2.5-0.5B"
+
+
+def test_no_link_to_a_pypi_project(tmp_path):
+    _, text = _card(_folder(tmp_path, attnkit_report__json=CONVERT, finetune_report__json=FINETUNE))
+    assert "pypi.org" not in text and "](http" not in text.split("## Conversion")[0]
+
+
+def test_partial_eval_run_is_marked_and_kept_out_of_model_index(tmp_path):
+    eval_results = {"limit": 5, "models": {"model": {"metrics": {"attnkit-complete": {"acc": 0.5, "acc_stderr": 0.2}}}}}
+    meta, text = _card(_folder(tmp_path, attnkit_report__json=CONVERT, eval_results__json=eval_results))
+    assert "model-index" not in meta
+    assert "this model, partial (--limit 5)" in text and "Partial run (--limit 5)" in text
+    assert "| attnkit-complete | acc | 0.5 ± 0.2 |" in text
+
+
+def test_partial_healing_eval_is_marked_and_kept_out_of_model_index(tmp_path):
+    partial = dict(FINETUNE, recipe={**FINETUNE["recipe"], "eval": {"tasks": "attnkit-core", "limit": 3}})
+    meta, text = _card(_folder(tmp_path, attnkit_report__json=CONVERT, finetune_report__json=partial))
+    assert "model-index" not in meta
+    assert "partial (eval.limit 3)" in text and "| attnkit-complete/acc | 0.41 | 0.47 |" in text
+    # a complete healing evaluation (limit null) is a result
+    full = dict(FINETUNE, recipe={**FINETUNE["recipe"], "eval": {"tasks": "attnkit-core", "limit": None}})
+    (tmp_path / "full").mkdir()
+    meta, text = _card(_folder(tmp_path / "full", finetune_report__json=full))
+    assert meta["model-index"] and "partial" not in text
+
+
+def test_stderr_is_shown_beside_its_metric_never_as_a_metric(tmp_path):
+    eval_results = {"limit": None, "models": {
+        "model": {"metrics": {"attnkit-complete": {"acc": 0.3633, "acc_stderr": 0.0312, "acc_norm": 0.4}}},
+        "baseline": {"name": "Qwen/Qwen2.5-0.5B", "metrics": {"attnkit-complete": {"acc": 0.4, "acc_stderr": 0.03}}}}}
+    healed = dict(FINETUNE, eval_after={"validation": {"loss": 2.6}, "attnkit-complete": {"acc": 0.47, "acc_stderr": 0.05}})
+    meta, text = _card(_folder(tmp_path, finetune_report__json=healed, eval_results__json=eval_results))
+    results = meta["model-index"][0]["results"]
+    assert sorted(m["type"] for r in results for m in r["metrics"]) == ["acc", "acc_norm"]
+    assert "| attnkit-complete | acc | 0.3633 ± 0.031 | 0.4 ± 0.03 |" in text
+    assert "| attnkit-complete | acc_norm | 0.4 | – |" in text
+    assert "acc_stderr" not in text
+    assert "| attnkit-complete/acc | 0.41 | 0.47 ± 0.05 |" in text
+
+
+def _source_with_card(folder: Path, front: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "README.md").write_text(f"---\n{front}---\n# the source\n")
+    return folder
+
+
+def test_license_datasets_language_come_from_the_source_card_only(tmp_path):
+    src = _source_with_card(tmp_path / "src", "license: llama3.2\ndatasets:\n- HuggingFaceFW/fineweb\nlanguage:\n- en\n- de\ntags: [x]\n")
+    convert = dict(CONVERT, source=dict(CONVERT["source"], path=str(src)))
+    folder = _folder(tmp_path, attnkit_report__json=convert)
+    meta, _ = _card(folder)
+    assert (meta["license"], meta["datasets"], meta["language"]) == ("llama3.2", ["HuggingFaceFW/fineweb"], ["en", "de"])
+    assert "license_name" not in meta and "x" not in meta["tags"]  # only what the source says, only those keys
+    # `push` rebuilds the card after the source is gone: the keys the card carried stay
+    (src / "README.md").unlink()
+    meta, _ = _card(folder, repo_id="alice/m")
+    assert meta["license"] == "llama3.2" and meta["language"] == ["en", "de"]
+
+
+def test_no_source_card_means_no_license_keys(tmp_path):
+    from attnkit.io.resolve import REFERENCE_DIR
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for path in (str(plain), str(REFERENCE_DIR)):  # no README / a README without those keys
+        folder = tmp_path / f"o{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        (folder / "attnkit_report.json").write_text(json.dumps(dict(CONVERT, source=dict(CONVERT["source"], path=path))))
+        meta, _ = _card(folder)
+        assert not {"license", "datasets", "language", "license_name", "license_link"} & set(meta)
+
+
+def test_healed_card_carries_the_students_card_keys(tmp_path):
+    student = _source_with_card(tmp_path / "student", "license: apache-2.0\n")
+    healed = dict(FINETUNE, base_model_path=str(student))
+    meta, _ = _card(_folder(tmp_path, finetune_report__json=healed))
+    assert meta["license"] == "apache-2.0" and "datasets" not in meta
+
+
+def test_card_states_minimum_transformers_and_remote_code(tmp_path):
+    mla = dict(CONVERT, load={**CONVERT["load"], "min_transformers": "4.53.0"})
+    config = {"model_type": "deepseek_v3", "transformers_version": "5.24.0"}
+    _, text = _card(_folder(tmp_path, attnkit_report__json=mla, config__json=config))
+    usage = text.split("## How to load")[1]
+    assert "Minimum transformers version: **4.53.0**" in usage and "No custom code is needed" in usage
+    # healed: re-saved by the trainer, so only the release that wrote it is stated
+    (tmp_path / "healed").mkdir()
+    _, text = _card(_folder(tmp_path / "healed", attnkit_report__json=mla, finetune_report__json=FINETUNE, config__json=config))
+    assert "4.53.0" not in text and "Saved with transformers 5.24.0; older releases were not checked." in text
+    dex = dict(CONVERT, method="dex", load={"trust_remote_code": True, "min_transformers": "4.53.0"})
+    dex_config = {"model_type": "attnkit_llama", "transformers_version": "5.24.0", "auto_map": {"AutoConfig": "modeling_attnkit.C"}}
+    (tmp_path / "dex").mkdir()
+    _, text = _card(_folder(tmp_path / "dex", attnkit_report__json=dex, config__json=dex_config))
+    usage = text.split("## How to load")[1]
+    assert "needs `trust_remote_code=True`" in usage and "Saved with transformers 5.24.0" in usage and "4.53.0" not in usage
+
+
+@pytest.mark.parametrize(("method", "config", "target"), [
+    ("mla", {"model_type": "deepseek_v3"}, {"form": "transformers", "constant_channel": True}),
+    ("mla", {"model_type": "deepseek_v3"}, None),  # reports from before the engine form: all had the channel
+    ("mla+dex", {"model_type": "attnkit_deepseek_v3"}, {"form": "transformers", "constant_channel": True}),
+])
+def test_constant_channel_outputs_warn_against_plain_fine_tuning(tmp_path, method, config, target):
+    convert = dict(CONVERT, method=method)
+    if target and method == "mla":
+        convert["target"] = target
+    elif target:
+        convert["mla"] = {"target": target}
+    _, text = _card(_folder(tmp_path, attnkit_report__json=convert, config__json=config))
+    assert "Fine-tuning: keep `kv_b_proj` frozen." in text and "`attnkit finetune`" in text
+    assert "are safe on it" not in text
+
+
+def test_engine_form_may_be_fine_tuned_and_dex_alone_says_nothing(tmp_path):
+    engines = dict(CONVERT, target={"form": "engines", "constant_channel": False})
+    _, text = _card(_folder(tmp_path, attnkit_report__json=engines, config__json={"model_type": "deepseek_v3"}))
+    assert "plain PEFT LoRA and full fine-tuning are safe on it" in text and "kv_b_proj` frozen" not in text
+    (tmp_path / "dex").mkdir()
+    _, text = _card(_folder(tmp_path / "dex", attnkit_report__json=dict(CONVERT, method="dex"),
+                            config__json={"model_type": "attnkit_llama"}))
+    assert "Fine-tuning" not in text
+
+
+@pytest.mark.slow
+def test_dex_card_snippet_runs_in_a_fresh_process_without_prompting(tmp_path):
+    """The card's code block, run as printed on a tiny DEX output: the tokenizer line must not read
+    config.json's auto_map (AutoTokenizer would ask "Do you wish to run the custom code?")."""
+    import os
+    import subprocess
+    import sys
+
+    from test_dex_models import convert_cli, save_tiny_model, write_calib
+
+    src = save_tiny_model(tmp_path / "src", "llama")
+    out = tmp_path / "dex"
+    assert convert_cli("dex", src, out, write_calib(tmp_path / "calib")) == 0
+    code = (out / "README.md").read_text().split("## How to load")[1].split("```python\n")[1].split("```")[0]
+    tokenizer_line = next(line for line in code.splitlines() if line.startswith("tokenizer ="))
+    assert "trust_remote_code" not in tokenizer_line
+    code = code.replace("PATH_OR_REPO_ID", str(out)) + "print(type(model).__name__, len(tokenizer('w1 w2').input_ids))\n"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    run = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=300)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-2000:]
+    assert "custom code" not in output and "[y/N]" not in output, output[-2000:]
+    assert run.stdout.split()[0] == "AttnkitLlamaForCausalLM"

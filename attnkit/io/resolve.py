@@ -49,7 +49,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
             snapshot_download(
                 repo_id,
                 revision=revision,
-                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja"],
+                # README.md: its front matter (license, datasets, language) is carried into the output's card
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja", "README.md"],
             )
         )
     except RepositoryNotFoundError:
