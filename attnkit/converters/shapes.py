@@ -197,13 +197,32 @@ def check_shapes(config: dict, shapes: dict[str, tuple[int, ...]], where: Path |
         raise AttnkitError(f"{where}: {problem}" if where else problem)
 
 
-def check_weights(path: Path, config: dict, required: bool = True) -> LazyCheckpoint | None:
+def with_defaults(config: dict) -> dict:
+    """The config as transformers reads it: fields a config.json leaves out take the family's config
+    class defaults (derived ones such as head_dim included), so the shapes are the ones it builds."""
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None:
+        return config
+    try:
+        full = family.config_class().from_dict(dict(config)).to_dict()
+    except Exception:  # noqa: BLE001 - a config transformers rejects is refused when it is loaded
+        return config
+    return {**config, **full}
+
+
+def check_weights(path: Path, config: dict, required: bool = True, where: str | None = None) -> LazyCheckpoint | None:
     """Open a model folder's safetensors weights and check their shapes against `config` (headers
-    only, nothing loaded). `required=False` (eval, bench): a folder without safetensors is let through
-    to transformers, which may load other formats."""
+    only, nothing loaded); errors start with `where` (default: the folder). `required=False` (eval,
+    bench): a folder without safetensors is let through to transformers, which loads other formats."""
     path = Path(path)
     if not required and not ((path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()):
         return None
-    ckpt = LazyCheckpoint(path)
-    check_shapes(config, ckpt.shapes(), path)
+    try:
+        ckpt = LazyCheckpoint(path)
+        shapes = ckpt.shapes()
+    except AttnkitError as exc:
+        if where is None:
+            raise
+        raise AttnkitError(f"{where}: {exc}") from None
+    check_shapes(with_defaults(config), shapes, where or path)
     return ckpt

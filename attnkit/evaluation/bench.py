@@ -225,10 +225,12 @@ def run_case(model, info: dict, context: int, batch: int, args, timer, bandwidth
 
 def resolve(spec: str, args) -> tuple[Path, dict]:
     """Resolve MODEL and check the requested contexts against its config, before loading any weights."""
+    from attnkit.converters.shapes import check_weights
     from attnkit.io.resolve import check_causal_lm, resolve_model
 
     path = resolve_model(spec)
     raw = check_causal_lm(path)
+    check_weights(path, raw, required=False, where=f"cannot load {spec}")  # one line, not transformers' load report
     text = raw.get("text_config") or raw
     check_contexts(spec, text.get("max_position_embeddings"), args.context, args.decode_tokens)
     return path, raw

@@ -421,9 +421,14 @@ def eval_threads(sample_s: float = 0.2, most: int | None = None) -> int | None:
 
 
 def check_inputs(specs: list[str]) -> None:
-    """Resolve and check every MODEL spec before any model is loaded or evaluated (one-line errors)."""
+    """Resolve and check every MODEL spec before any model is loaded or evaluated (one-line errors);
+    weights whose shapes contradict the config are named here, not in transformers' load report."""
+    from attnkit.converters.shapes import check_weights
+
     for spec in specs:
-        check_causal_lm(resolve_model(spec))
+        path = resolve_model(spec)
+        config = check_causal_lm(path)
+        check_weights(path, config, required=False, where=f"cannot load {spec}")
 
 
 def main(args: argparse.Namespace) -> int:
