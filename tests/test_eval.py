@@ -96,7 +96,8 @@ def test_eval_with_baseline_writes_the_documented_schema(tiny_model, tmp_path, c
     assert model["higher_is_better"]["attnkit-ppl"]["token_perplexity"] is False
     assert model["higher_is_better"]["attnkit-recall-256"]["acc"] is True
     table = capsys.readouterr().out
-    assert "retention" in table and "token_perplexity" in table and "KV bytes/token (fp32)" in table
+    assert "retention" in table and "token_perplexity" in table and "KV bytes/token (fp32, as stored)" in table
+    assert "in this run" not in table  # an fp32 checkpoint run in fp32: one KV row
     header = table.splitlines()[0].split()
     assert header[:5] == ["task", "metric", "better", "n", "model"]
     recall = next(line.split() for line in table.splitlines() if line.startswith("attnkit-recall-256"))
@@ -123,10 +124,24 @@ def test_table_says_direction_items_and_kv_dtype():
     assert rows[("attnkit-ppl", "token_perplexity")][2:] == ["lower", "24", "33.0000", "30.0000", "1.100"]
     assert rows[("attnkit-recall-256", "acc")][2:] == ["higher", "40", "0.4000", "0.5000", "0.800"]
     kv = next(line for line in lines if "KV bytes/token" in line)
-    assert "KV bytes/token (bf16)" in kv and kv.split()[-3:] == ["1,216", "4,096", "0.297"]
+    assert "KV bytes/token (bf16, as stored)" in kv and kv.split()[-3:] == ["1,216", "4,096", "0.297"]
     assert any(line.startswith("retention = model / baseline") for line in lines)
     alone = run.format_table(_result(with_baseline=False))
-    assert "retention" not in alone and "KV bytes/token (bf16)" in alone
+    assert "retention" not in alone and "KV bytes/token (bf16, as stored)" in alone
+
+
+def test_table_gives_the_stored_and_the_measured_kv_dtype():
+    """A bf16 checkpoint evaluated in fp32: the stored figure (what convert and bench print) and this run's."""
+    result = _result()
+    for role, n in (("model", 1216), ("baseline", 4096)):
+        result["models"][role].update(dtype="float32", kv_cache_measured={"bytes_per_token": 2 * n, "dtype": "fp32"})
+    result["retention"] = run.retention(result["models"]["model"], result["models"]["baseline"])
+    lines = run.format_table(result).splitlines()
+    stored = next(line for line in lines if "KV bytes/token (bf16, as stored)" in line)
+    measured = next(line for line in lines if "KV bytes/token (fp32, in this run)" in line)
+    assert stored.split()[-3:] == ["1,216", "4,096", "0.297"] and measured.split()[-3:] == ["2,432", "8,192", "0.297"]
+    result["models"]["baseline"]["kv_cache_dtype"] = "fp32"  # stored in different dtypes: each figure says its own
+    assert "1,216 bf16" in run.format_table(result) and "4,096 fp32" in run.format_table(result)
 
 
 def test_missing_baseline_fails_before_any_model_loads(tiny_model, monkeypatch, capsys):

@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.evaluation.kv import cache_bytes, kv_cache_bytes_per_token
+from attnkit.evaluation.kv import cache_bytes, checkpoint_dtype, kv_as_stored, kv_cache_bytes_per_token, short_dtype
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -179,7 +179,7 @@ def run_case(model, info: dict, context: int, batch: int, args, timer, bandwidth
     row: dict = {"context": context, "batch": batch}
     config = model.config
     rows = (args.prefill_chunk or context) if info["mla"] and info["attn"] == "expanded" else 0
-    need = estimate_bytes(config, info["kv_cache_bytes_per_token"]["total"], batch, context,
+    need = estimate_bytes(config, info["kv_cache_measured"]["bytes_per_token"], batch, context,
                           next(model.parameters()).element_size(), rows)
     if device.type == "cpu" and need > psutil.virtual_memory().available:
         row.update(status="oom", error=f"predicted working set {need / 2**30:.1f} GiB exceeds available memory")
@@ -292,7 +292,11 @@ def bench_model(spec: str, path: Path, raw: dict, attn: str, args, device, dtype
     model, info = load_model(spec, path, raw, attn, dtype, device)
     if not info["mla"]:
         print(f"attnkit bench: {spec} is not an MLA model; measuring its plain attention path", file=sys.stderr)
-    info["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(model)
+    kv = kv_cache_bytes_per_token(model)  # in the dtype this run loaded the model in (--dtype)
+    stored = kv_as_stored(kv["total"], kv["dtype"], checkpoint_dtype(path) or kv["dtype"])
+    measured = {"bytes_per_token": kv["total"], **{k: v for k, v in kv.items() if k != "total"}, "dtype": short_dtype(kv["dtype"])}
+    # bytes/token as convert and eval count them (in the stored dtype, kv.py), then what this run's cache held
+    info.update(kv_cache_bytes_per_token=stored["bytes_per_token"], kv_cache_dtype=stored["dtype"], kv_cache_measured=measured)
     clock = CLOCKS["wall" if device.type == "cuda" else getattr(args, "clock", "wall")]
     timer = AttentionTimer(model, device, clock)
     warm_up(model, device, timer)

@@ -26,6 +26,19 @@ def compare(model: dict, baseline: dict) -> list[dict]:
     return out
 
 
+def kv_line(info: dict) -> str:
+    """'608 B/token (bf16, as stored); 1,216 B/token (fp32, in this run)': the figure convert and eval print,
+    then the one measured here (the KV MB column's) when this run's --dtype is not the stored one."""
+    from attnkit.evaluation.kv import format_kv, short_dtype
+
+    stored = (info["kv_cache_bytes_per_token"], short_dtype(info.get("kv_cache_dtype") or info["dtype"]))
+    measured = info.get("kv_cache_measured") or {}
+    line = format_kv(*stored, "as stored")
+    if measured and (measured["bytes_per_token"], short_dtype(measured["dtype"])) != stored:
+        line += f"; {format_kv(measured['bytes_per_token'], measured['dtype'], 'in this run')}"
+    return line
+
+
 def _cell(row: dict | None) -> list[str]:
     if row is None:
         return ["-"] * 6
@@ -53,8 +66,7 @@ def format_table(result: dict) -> str:
     lines = []
     for info_label in labels:
         info = models[info_label]
-        kv = info["kv_cache_bytes_per_token"]["total"]
-        lines.append(f"{info_label}: {info['name']} — {info['attn_path']}; KV cache {kv} B/token ({info['dtype']})")
+        lines.append(f"{info_label}: {info['name']} — {info['attn_path']}; KV cache {kv_line(info)}")
     bw = result["machine"]["memory_bandwidth"]["bytes_per_s"]
     lines.append(f"device {result['machine']['device']}, {result['machine']['threads']} threads, "
                  f"{result.get('clock', 'wall')} clock, "

@@ -3,15 +3,26 @@
 A formula (2·layers·G·d·bytes for GQA, (r + d_r)·layers·bytes for MLA) is what we want to *check*;
 so we run a forward pass, walk the `Cache` it returns, and count the bytes of the tensors it holds.
 Two prompt lengths are measured and differenced, so constant state (if any) does not count per token.
+
+One convention for every figure attnkit prints (convert's report, eval, bench): KV bytes per token
+at the dtype the checkpoint is stored in (what `from_pretrained` loads it as by default, so what it
+is served in), with that dtype named beside the number (`format_kv`). A cache measured in another
+dtype (eval and bench run fp32 by default) is counted in the stored one by `kv_as_stored`, and the
+measured figure is kept beside it with its own dtype.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from attnkit.errors import AttnkitError
+
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64",
+                "F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64"}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 # the two prompt lengths whose difference gives bytes/token (small: this runs inside `attnkit eval`)
 _SHORT, _LONG = 4, 12
@@ -117,3 +128,43 @@ def kv_cache_bytes_per_token(model: torch.nn.Module) -> dict:
         "stored": describe_cache(long_cache),
         "method": f"forward pass at {_SHORT} and {_LONG} tokens, batch 1; difference of cache tensor bytes",
     }
+
+
+def short_dtype(dtype: torch.dtype | str | None) -> str:
+    """torch.bfloat16, 'bfloat16' or 'BF16' -> 'bf16' (the names --dtype takes); anything else as given."""
+    name = str(dtype).replace("torch.", "")
+    return SHORT_DTYPES.get(name, name)
+
+
+def kv_as_stored(measured_bytes: int, measured_dtype: torch.dtype | str, stored_dtype: torch.dtype | str) -> dict:
+    """{"bytes_per_token", "dtype"}: a cache measured in one dtype, counted in the dtype the checkpoint is
+    stored in (a cache holds its values in the model's dtype, so the count scales with the item size).
+    A cache of mixed or unknown dtype is not rescaled: its own figure and dtype are returned."""
+    measured, stored = _TORCH_DTYPES.get(short_dtype(measured_dtype)), _TORCH_DTYPES.get(short_dtype(stored_dtype))
+    if measured is None or stored is None:
+        return {"bytes_per_token": int(measured_bytes), "dtype": short_dtype(measured_dtype)}
+    return {"bytes_per_token": int(measured_bytes) * stored.itemsize // measured.itemsize, "dtype": short_dtype(stored)}
+
+
+def format_kv(bytes_per_token: int, dtype: torch.dtype | str, note: str | None = None) -> str:
+    """'2,048 B/token (bf16)' or, with a note, '2,048 B/token (bf16, as stored)': every printed KV figure names its dtype."""
+    return f"{int(bytes_per_token):,} B/token ({short_dtype(dtype)}{', ' + note if note else ''})"
+
+
+def kv_change(kv: dict) -> str:
+    """A convert report's 'KV cache: 4,096 -> 1,216 B/token (bf16), 29.7 % of the source' line (both counts
+    in the output's dtype, `kv["dtype"]`)."""
+    line = f"KV cache: {int(kv['before']):,} -> {format_kv(kv['after'], kv.get('dtype', '?'))}"
+    return line + (f", {100 * kv['after'] / kv['before']:.1f} % of the source" if kv.get("before") else "")
+
+
+def checkpoint_dtype(folder) -> str | None:
+    """The dtype a checkpoint's weights are stored in ('bf16', ...), from its safetensors headers (no
+    data read): that of its projection/norm weights; None when the folder has no safetensors."""
+    from attnkit.io.checkpoint import INDEX_FILE, SINGLE_FILE, LazyCheckpoint
+
+    if not any((Path(folder) / f).is_file() for f in (SINGLE_FILE, INDEX_FILE)):
+        return None
+    header = LazyCheckpoint(folder).header()
+    names = [n for n in sorted(header) if n.endswith(("proj.weight", "norm.weight"))] or sorted(header)
+    return short_dtype(header[names[0]]["dtype"]) if names else None

@@ -104,11 +104,6 @@ def _token_perplexity(samples: list[dict], tokenizer) -> float:
     return math.exp(-total_ll / max(total_tokens, 1))
 
 
-def _short_dtype(dtype: str) -> str:
-    """'float32' → 'fp32' (the names --dtype takes); anything else unchanged."""
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
-
-
 class Progress:
     """One progress bar over every model of an `attnkit eval` run: which model, what it does, overall ETA.
 
@@ -262,7 +257,7 @@ def _evaluate(model_or_path: Any, tokenizer: Any, names: list[str], limit: int |
     """evaluate_model's work, inside a quiet() block and with a Progress already started for this model."""
     import lm_eval
 
-    from attnkit.evaluation.kv import kv_cache_bytes_per_token
+    from attnkit.evaluation.kv import checkpoint_dtype, kv_as_stored, kv_cache_bytes_per_token, short_dtype
     from attnkit.evaluation.scoring import SharedPrefixLM
 
     path = None
@@ -298,15 +293,21 @@ def _evaluate(model_or_path: Any, tokenizer: Any, names: list[str], limit: int |
     progress.phase("KV cache")
     kv = kv_cache_bytes_per_token(model)
     progress.finish()
+    run_dtype = next(model.parameters()).dtype
+    stored = (checkpoint_dtype(path) if path else None) or short_dtype(run_dtype)
     return {
         "name": label,
         "path": str(path) if path else None,
         "model_type": getattr(model.config, "model_type", None),
         "params": sum(p.numel() for p in model.parameters()),
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "kv_cache_bytes_per_token": kv["total"],
-        "kv_cache_bytes_per_token_per_layer": kv["per_layer"],
-        "kv_cache_dtype": kv.get("dtype"),
+        "dtype": str(run_dtype).replace("torch.", ""),
+        # counted in the dtype the checkpoint is stored in, as convert and bench count it (kv.py)
+        "kv_cache_bytes_per_token": kv_as_stored(kv["total"], kv["dtype"], stored)["bytes_per_token"],
+        "kv_cache_bytes_per_token_per_layer": [kv_as_stored(b, kv["dtype"], stored)["bytes_per_token"]
+                                               for b in kv["per_layer"]],
+        "kv_cache_dtype": kv_as_stored(kv["total"], kv["dtype"], stored)["dtype"],
+        "kv_cache_measured": {"bytes_per_token": kv["total"], "dtype": short_dtype(kv["dtype"]),
+                              "per_layer": kv["per_layer"]},
         "kv_cache_class": kv.get("layer_class"),
         "seconds": round(time.time() - started, 1),
         "metrics": metrics,
@@ -324,9 +325,14 @@ def retention(model: dict, baseline: dict) -> dict[str, float]:
             if base is None or metric.endswith("_stderr"):
                 continue
             out[f"{task}/{metric}"] = value / base if base else None
-    for key in ("kv_cache_bytes_per_token", "params"):
-        out[key] = model[key] / baseline[key]
+    # the KV ratio from the caches this run measured (both in --dtype), whatever dtypes the checkpoints are stored in
+    out["kv_cache_bytes_per_token"] = _measured_kv(model) / _measured_kv(baseline)
+    out["params"] = model["params"] / baseline["params"]
     return out
+
+
+def _measured_kv(model: dict) -> int:
+    return (model.get("kv_cache_measured") or {}).get("bytes_per_token", model["kv_cache_bytes_per_token"])
 
 
 MAIN_METRICS = ["token_perplexity", "byte_perplexity", "bits_per_byte"]  # of the attnkit-ppl tasks
@@ -357,6 +363,27 @@ NOTE = "better: which way is better. n: items (perplexity: documents) behind eac
 RETENTION_NOTE = "retention = model / baseline: a loss is < 1 where higher is better, > 1 where lower is better."
 
 
+def _kv_rows(models: dict) -> list[tuple[str, dict[str, str]]]:
+    """The table's KV rows: bytes/token as stored (the figure convert and bench print), and as this run
+    measured it when it ran in another dtype; the dtype in the label, or beside each figure when they differ."""
+    from attnkit.evaluation.kv import short_dtype
+
+    stored = {role: (m["kv_cache_bytes_per_token"], short_dtype(m.get("kv_cache_dtype") or m["dtype"]))
+              for role, m in models.items()}
+    measured = {role: (m["kv_cache_measured"]["bytes_per_token"], m["kv_cache_measured"]["dtype"])
+                for role, m in models.items() if m.get("kv_cache_measured")}
+    rows = [("as stored", stored)]
+    if measured and measured != stored:
+        rows.append(("in this run", measured))
+    out = []
+    for how, figures in rows:
+        dtypes = {dt for _, dt in figures.values()}
+        one = len(dtypes) == 1
+        label = f"KV bytes/token ({next(iter(dtypes))}, {how})" if one else f"KV bytes/token ({how})"
+        out.append((label, {role: f"{n:,}" if one else f"{n:,} {dt}" for role, (n, dt) in figures.items()}))
+    return out
+
+
 def format_table(result: dict) -> str:
     """The printed table: per metric the direction, the item count, each model's value and the retention."""
     models = result["models"]
@@ -372,13 +399,15 @@ def format_table(result: dict) -> str:
             row.append(f"{models['baseline']['metrics'][task][metric]:.4f}")
             row.append(_ratio(result["retention"].get(f"{task}/{metric}")))
         lines.append(row)
-    dtypes = {_short_dtype(m.get("kv_cache_dtype") or m["dtype"]) for m in models.values()}
-    kv_label = f"KV bytes/token ({', '.join(sorted(dtypes))})"
-    for key, label, better in (("kv_cache_bytes_per_token", kv_label, "lower"), ("params", "parameters", "")):
-        row = ["model", label, better, "", f"{model[key]:,}"]
+    for label, figures in _kv_rows(models):
+        row = ["model", label, "lower", "", figures["model"]]
         if has_base:
-            row += [f"{models['baseline'][key]:,}", _ratio(result["retention"][key])]
+            row += [figures["baseline"], _ratio(result["retention"]["kv_cache_bytes_per_token"])]
         lines.append(row)
+    row = ["model", "parameters", "", "", f"{model['params']:,}"]
+    if has_base:
+        row += [f"{models['baseline']['params']:,}", _ratio(result["retention"]["params"])]
+    lines.append(row)
     widths = [max(len(str(r[i])) for r in [header, *lines]) for i in range(len(header))]
 
     def fmt(row: list[str]) -> str:  # text columns left-aligned, numbers right-aligned

@@ -5,6 +5,7 @@ from __future__ import annotations
 from attnkit import __version__
 from attnkit.converters.common import source_info
 from attnkit.converters.mla.engines import engine_support
+from attnkit.evaluation.kv import kv_change, short_dtype
 
 STEP_INFO = {
     "exact": "GQA as MLA: latent = raw K and V of all heads, RoPE on every key component",
@@ -46,7 +47,8 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
                    "q_lora_rank": tgt_cfg.q_lora_rank, "rope_parameters": tgt_cfg.rope_parameters,
                    "constant_channel": s.target != "engines", "form": s.target},
         "kv_cache_bytes_per_token": {"before": kv_bytes(layers, 2 * shape.G * shape.d, itemsize),
-                                     "after": kv_bytes(layers, s.kv_lora_rank + s.rope_dim, itemsize)},
+                                     "after": kv_bytes(layers, s.kv_lora_rank + s.rope_dim, itemsize),
+                                     "dtype": short_dtype(s.out_dtype)},  # the output's dtype, as eval/bench count it
         "kv_cache_fraction": (s.kv_lora_rank + s.rope_dim) / (2 * shape.G * shape.d),
         "steps": steps,
         "lossy_steps": lossy,
@@ -73,7 +75,7 @@ def format_report(report: dict) -> str:
     for st in report["steps"]:
         lines.append(f"{st['name']:<10}{str(st['exact']):<7}" + "".join(f"{st[c]:>14.3e}" for c in cols))
     kv = report["kv_cache_bytes_per_token"]
-    lines.append(f"KV cache bytes/token: {kv['before']} -> {kv['after']} ({100 * kv['after'] / kv['before']:.1f} %)")
+    lines.append(kv_change(kv))
     lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
                  f"(RoPE frequencies: {report['load']['rope_frequencies']})")
     if report.get("serving"):
