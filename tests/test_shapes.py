@@ -242,11 +242,17 @@ def test_the_console_script_says_one_line_and_exits_2(sources, tmp_path):
     assert not out.exists() and _tree(src) == before
 
 
-def test_a_consistent_model_still_converts(sources, calib, tmp_path):
-    """mla+dex runs both checked entry points: the MLA driver on the source, the retrofit on its DeepSeek-V3 output."""
+def test_a_consistent_model_still_converts(sources, calib, tmp_path, capsys):
+    """mla+dex runs both checked entry points: the MLA driver on the source, the retrofit on its DeepSeek-V3
+    output; its own output (attnkit_deepseek_v3) is checked by eval like its source family."""
     out = tmp_path / "out"
     assert main(["convert", "--to", "mla+dex", str(sources["qwen2"]), "-o", str(out), "--calib", str(calib), *FAST]) == 0
     assert json.loads((out / "attnkit_report.json").read_text())["method"] == "mla+dex"
+    _edit_config(out, num_hidden_layers=1)
+    capsys.readouterr()
+    assert main(["eval", str(out), "--tasks", "attnkit-ppl-quick", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a tensor of layer 1, but config num_hidden_layers=1" in err[0]
 
 
 @pytest.mark.parametrize("command", [["eval", "{src}", "--tasks", "attnkit-ppl-quick", "--limit", "1"],

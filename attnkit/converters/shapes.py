@@ -168,7 +168,7 @@ def shape_problem(config: dict, shapes: dict[str, tuple[int, ...]]) -> str | Non
 
     Only families with a description are checked (others are refused by name elsewhere); a config
     missing the fields the shapes come from is itself the problem."""
-    family = FAMILIES.get(config.get("model_type"))
+    family = _family(config)
     if family is None:
         return None
     try:
@@ -197,10 +197,15 @@ def check_shapes(config: dict, shapes: dict[str, tuple[int, ...]], where: Path |
         raise AttnkitError(f"{where}: {problem}" if where else problem)
 
 
+def _family(config: dict) -> Family | None:
+    """The source family of a config; a DEX/DIFF output (`attnkit_<family>`) keeps its source's tensors."""
+    return FAMILIES.get(str(config.get("model_type")).removeprefix("attnkit_"))
+
+
 def with_defaults(config: dict) -> dict:
     """The config as transformers reads it: fields a config.json leaves out take the family's config
     class defaults (derived ones such as head_dim included), so the shapes are the ones it builds."""
-    family = FAMILIES.get(config.get("model_type"))
+    family = _family(config)
     if family is None:
         return config
     try:
