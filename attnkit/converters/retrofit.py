@@ -41,10 +41,11 @@ InitFn = Callable[[torch.nn.Module, dict], dict]
 
 
 def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: InitFn | None = None,
-             source_path: Path | None = None, prior: dict | None = None) -> int:
+             source_path: Path | None = None, prior: dict | None = None, original_path: Path | None = None) -> int:
     """Rewrite the source in place with `method`'s modules (config fields from `fields_for`, new
     weights set by `init`), check the logits, save OUT atomically. `prior`: the MLA report when
-    the source is an MLA conversion of the user's model (`--to mla+dex`)."""
+    the source is an MLA conversion of the user's model (`--to mla+dex`), `original_path` that
+    model: the report's "before" (perplexity, KV cache) is the user's model, not the intermediate one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from attnkit.adapters.modeling_attnkit import CLASSES, install_retrofit
@@ -70,6 +71,7 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
                                                       EVAL_ROWS * args.calib_seq_len, args.seed)
     evaluation = evaluation[:EVAL_ROWS]
     eval_split = "validation" if held_note == "validation split" else "train"
+    ppl_original = None if original_path is None else source_ppl(original_path, evaluation, device)
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(device).eval()
     src_dtype = source_dtype(LazyCheckpoint(path))
@@ -91,9 +93,11 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
     logits_after = _logits(model, evaluation, device)
     step = {"name": f"insert {method} modules (ramp 0)", **_compare(logits_before, logits_after, evaluation)}
     step["exact"] = step["logits_rel_err_max"] == 0.0
-    ppl_before = step.pop("ppl_before")
+    ppl_before = step.pop("ppl_before") if ppl_original is None else ppl_original
 
     out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
+    # measured on the fp32 model; the saved model (and so its cache) is in out_dtype, as MLA reports count it
+    kv_before, kv_after = (stored_bytes(b, torch.float32, out_dtype) for b in (kv_before, kv_after))
     report = {
         "attnkit_version": __version__,
         "method": method,
@@ -111,9 +115,7 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
         **extras,
     }
     if prior is not None:
-        report["source"] = {**prior.get("source", {}), "model": args.model}
-        report["kv_cache_bytes_per_token"]["before"] = prior.get("kv_cache_bytes_per_token", {}).get("before", kv_before)
-        report["mla"] = {k: v for k, v in prior.items() if k not in ("steps", "source", "settings", "load")}
+        report.update(_against_original(report, prior, args.model, kv_before))
     with atomic_output_dir(args.out, args.force, (path,)) as tmp:
         model.to("cpu", out_dtype).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -203,11 +205,53 @@ def _kv_bytes(model) -> int:
     return int(kv_cache_bytes_per_token(model)["total"])
 
 
+def stored_bytes(measured: int, measured_dtype: torch.dtype, stored_dtype: torch.dtype) -> int:
+    """Cache bytes measured in one dtype, counted in the dtype the model is saved (and served) in."""
+    return measured * stored_dtype.itemsize // measured_dtype.itemsize
+
+
+@torch.no_grad()
+def source_ppl(path: Path, rows: torch.Tensor, device: torch.device) -> float:
+    """Perplexity of the model in `path` on `rows` (fp32, freed afterwards): the "before" of a
+    retrofit whose input is an intermediate model (`mla+dex` runs DEX on the MLA conversion)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(device).eval()
+    try:
+        return _ppl(_logits(model, rows, device), rows)
+    finally:
+        del model
+
+
+def _against_original(report: dict, prior: dict, model: str, kv_intermediate: int) -> dict:
+    """The `mla+dex` report's fields that speak of the user's model (from the MLA report), not of the
+    MLA folder DEX was run on: source, KV cache before (and so the fraction), what loading needs.
+    The MLA-only load notes (oldest transformers, engines) do not hold for the remote-code output."""
+    kv_prior = prior.get("kv_cache_bytes_per_token") or {}
+    before = kv_prior.get("before", kv_intermediate)
+    after = report["kv_cache_bytes_per_token"]["after"]
+    load = {k: v for k, v in (prior.get("load") or {}).items() if k not in ("min_transformers", "needs")}
+    return {
+        "source": {**prior.get("source", {}), "model": model},
+        "kv_cache_bytes_per_token": {"before": before, "after": after},
+        "kv_cache_fraction": after / before if before else None,
+        "kv_cache_effect": "the MLA conversion's latent cache; DEX leaves Q, K, V and that cache untouched",
+        "load": {**load, "trust_remote_code": True},
+        "mla": {k: v for k, v in prior.items() if k not in ("steps", "source", "settings", "load")},
+    }
+
+
 # ---------------------------------------------------------------- small helpers
 
 
 def _settings(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None))) and k != "command"}
+
+
+def _kv_line(kv: dict) -> str:
+    """'KV cache bytes/token B -> A (F % of the source)': both counts in the output dtype, `before` the user's model."""
+    line = f"  KV cache bytes/token {kv['before']} -> {kv['after']}"
+    return line + (f" ({100 * kv['after'] / kv['before']:.1f} % of the source)" if kv.get("before") else "")
 
 
 def _summary(report: dict, out: str) -> str:
@@ -216,7 +260,7 @@ def _summary(report: dict, out: str) -> str:
         f"attnkit convert --to {report['method']}: wrote {out}",
         f"  logits rel. error max {step['logits_rel_err_max']:.2e} (exact: {step['exact']}), "
         f"ppl {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f} ({report['ppl']['split']})",
-        f"  KV cache bytes/token {report['kv_cache_bytes_per_token']['before']} -> {report['kv_cache_bytes_per_token']['after']}",
+        _kv_line(report["kv_cache_bytes_per_token"]),
     ]
     if "heads" in report:
         sel = report["heads"]["selected"]

@@ -273,10 +273,7 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, sources: tupl
     SIGKILLed run left (its pid is in the folder's name) is removed by the next run into `out`'s parent.
     """
     out = check_output_dir(out, force, sources).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(out.parent)
-    tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = _new_tmp(out)
     previous = _install_sigterm()
     try:
         yield tmp
@@ -288,6 +285,31 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, sources: tupl
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+
+
+def _new_tmp(out: Path) -> Path:
+    """Create `.OUT.attnkit-tmp-PID-XXXXXXXX` beside `out`, after removing what dead runs left there."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(out.parent)
+    tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+@contextlib.contextmanager
+def scratch_dir(out: str | os.PathLike) -> Iterator[Path]:
+    """Yield a scratch folder beside `out` (intermediate results of a run writing `out`), removed at the end.
+
+    Named like `atomic_output_dir`'s folder, pid included, so that what a SIGKILLed run left is removed
+    by the next run into the same parent (`remove_stale_tmp`); a `tempfile` name would stay forever.
+    """
+    tmp = _new_tmp(Path(out).absolute())
+    previous = _install_sigterm()
+    try:
+        yield tmp
+    finally:
+        _restore_sigterm(previous)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _raise_interrupt(signum, frame):  # noqa: ARG001
