@@ -43,8 +43,17 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_console_script_runs_in_a_fresh_process():
-    out = subprocess.run([sys.executable, "-m", "attnkit.cli", "--help"], capture_output=True, text=True, check=True)
+    """The `attnkit` entry point installed beside this interpreter (pyproject's [project.scripts]), not `python -m`."""
+    import shutil
+    from pathlib import Path
+
+    bindir = Path(sys.executable).parent
+    script = shutil.which("attnkit", path=str(bindir))
+    assert script is not None, f"no attnkit console script in {bindir}: is the package installed (pip install -e .)?"
+    out = subprocess.run([script, "--help"], capture_output=True, text=True, check=True)
     assert "convert" in out.stdout and "pretrain" in out.stdout
+    bad = subprocess.run([script, "convert"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip()  # argparse's usage error, through the script's exit code
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c != "tasks"])

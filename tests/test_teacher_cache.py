@@ -85,9 +85,30 @@ def test_topk_kl_is_the_bucketed_definition_and_has_finite_gradients():
     assert parts["kl"] == pytest.approx(float(manual.detach()), rel=1e-5)
 
 
-def test_teacher_targets_move_and_keep_fields():
-    t = topk_targets(torch.randn(1, 2, 6), 1.0, 3).to("cpu")
-    assert isinstance(t, TeacherTargets) and t.ids is not None and t.rest is not None
+@pytest.mark.parametrize("top_k", [3, None])
+def test_teacher_targets_move_and_keep_fields(top_k):
+    """`.to()` moves every tensor field (a field it forgot would stay behind or fall back to its default)
+    and keeps dtypes, shapes and values; non-tensor fields (None for full targets) come back unchanged."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    t = topk_targets(torch.randn(1, 2, 6), 1.0, top_k)
+    names = [f.name for f in dataclasses.fields(TeacherTargets)]
+    assert names == ["logprobs", "ids", "rest"], "a new field: check that .to() carries it, then update this list"
+    moved = t.to("meta")  # another device without a GPU: every tensor must land there
+    back = t.to("cpu")
+    assert isinstance(moved, TeacherTargets) and isinstance(back, TeacherTargets)
+    for name in names:
+        before, there, again = getattr(t, name), getattr(moved, name), getattr(back, name)
+        if isinstance(before, torch.Tensor):
+            assert there.device.type == "meta" and (there.dtype, there.shape) == (before.dtype, before.shape), name
+            assert again.device.type == "cpu" and again.dtype == before.dtype and torch.equal(again, before), name
+        else:
+            assert there == before and again == before, name
+    if top_k is not None:
+        assert back.ids.dtype == torch.int32 and back.rest.shape == (1, 2)
+    else:
+        assert back.ids is None and back.rest is None
 
 
 # ------------------------------------------------------------------ recipe keys
