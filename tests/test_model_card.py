@@ -214,6 +214,16 @@ def test_no_local_path_anywhere_in_the_card(tmp_path):
     assert "base_model" not in meta
 
 
+def test_what_counts_as_a_local_path():
+    from attnkit.io.model_card import looks_local
+
+    for local in ("/home/u/x", "~/x", "./x", "../x", "C:\\models\\x", "out/runs/x"):
+        assert looks_local(local), local
+    for public in ("Qwen/Qwen2.5-0.5B", "hf:HuggingFaceFW/fineweb-edu/sample-10BT", "python", "reference",
+                   "GQA as MLA: latent = raw K and V/keys/values of all heads"):
+        assert not looks_local(public), public
+
+
 def test_bundled_reference_and_relative_local_sources_are_named_by_folder(tmp_path):
     reference = dict(CONVERT, source=dict(CONVERT["source"], model="reference", path="/site/attnkit/assets/reference"))
     meta, text = _card(_folder(tmp_path, attnkit_report__json=reference))

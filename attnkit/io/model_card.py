@@ -111,7 +111,10 @@ def read_reports(folder: Path) -> dict[str, dict[str, Any] | None]:
 
 def looks_local(text: str) -> bool:
     """A string that names a place on this machine: absolute, home- or dot-relative, a Windows drive,
-    or (as `resolve_model` reads MODEL) more than one slash without spaces."""
+    or (as `resolve_model` reads MODEL) more than one slash without spaces. Not a `scheme:` name
+    such as `hf:owner/name/config` (a dataset on the Hub)."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", text):
+        return False
     return text.startswith(("/", "~", "./", "../", ".\\", "..\\")) or bool(re.match(r"^[A-Za-z]:[\\/]", text)) or (
         text.count("/") > 1 and not any(c.isspace() for c in text))
 
