@@ -88,7 +88,8 @@ def test_kv_fraction_is_of_the_original_model(runs):
     assert kv["before"] == 2 * 2 * 2 * 8 * 2 == mla["kv_cache_bytes_per_token"]["before"]
     assert kv["after"] == mla["kv_cache_bytes_per_token"]["after"] < kv["before"]  # counted in bf16 too
     assert report["kv_cache_fraction"] == pytest.approx(mla["kv_cache_fraction"])
-    assert f"{kv['before']} -> {kv['after']} ({100 * mla['kv_cache_fraction']:.1f} % of the source)" in runs["printed"]
+    assert kv["dtype"] == "bf16"
+    assert f"KV cache: {kv['before']} -> {kv['after']} B/token (bf16), {100 * mla['kv_cache_fraction']:.1f} % of the source" in runs["printed"]
 
 
 def test_ppl_before_is_the_original_models(runs):

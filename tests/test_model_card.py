@@ -240,6 +240,13 @@ def test_bundled_reference_and_relative_local_sources_are_named_by_folder(tmp_pa
     assert _card(_folder(tmp_path / "three", attnkit_report__json=hub))[0]["base_model"] == "Qwen/Qwen2.5-0.5B"
 
 
+def test_kv_table_names_its_dtype(tmp_path):
+    convert = dict(CONVERT, kv_cache_bytes_per_token={"before": 2048, "after": 608, "dtype": "bf16"})
+    _, text = _card(_folder(tmp_path, attnkit_report__json=convert))
+    assert "(all layers, bytes in bf16, the dtype it is stored in; as measured by attnkit)" in text
+    assert "| 2048 | 608 | 29.7% |" in text
+
+
 def test_no_link_to_a_pypi_project(tmp_path):
     _, text = _card(_folder(tmp_path, attnkit_report__json=CONVERT, finetune_report__json=FINETUNE))
     assert "pypi.org" not in text and "](http" not in text.split("## Conversion")[0]

@@ -23,7 +23,7 @@ from attnkit.converters.dex.heads import normalized_entropy
 from attnkit.converters.diff.layer import head_rms
 from attnkit.converters.shapes import check_weights
 from attnkit.errors import AttnkitError
-from attnkit.evaluation.kv import kv_cache_bytes_per_token
+from attnkit.evaluation.kv import kv_as_stored, kv_cache_bytes_per_token, kv_change, short_dtype
 from attnkit.io.checkpoint import LazyCheckpoint, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
 from attnkit.io.resolve import check_causal_lm, resolve_model
@@ -96,14 +96,14 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
     ppl_before = step.pop("ppl_before") if ppl_original is None else ppl_original
 
     out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
-    # measured on the fp32 model; the saved model (and so its cache) is in out_dtype, as MLA reports count it
-    kv_before, kv_after = (stored_bytes(b, torch.float32, out_dtype) for b in (kv_before, kv_after))
+    # measured on the fp32 model; counted in out_dtype, the dtype the output is stored (and served) in
+    kv_before, kv_after = (kv_as_stored(b, torch.float32, out_dtype)["bytes_per_token"] for b in (kv_before, kv_after))
     report = {
         "attnkit_version": __version__,
         "method": method,
         "source": source_info(path, model_type, args.model),
         "settings": _settings(args),
-        "kv_cache_bytes_per_token": {"before": kv_before, "after": kv_after},
+        "kv_cache_bytes_per_token": {"before": kv_before, "after": kv_after, "dtype": short_dtype(out_dtype)},
         "kv_cache_effect": "unchanged: Q, K, V and the cache are the source's",
         "steps": [*(prior or {}).get("steps", []), step],
         "ppl": {"before": ppl_before, "after": step["ppl"], "split": eval_split},
@@ -205,11 +205,6 @@ def _kv_bytes(model) -> int:
     return int(kv_cache_bytes_per_token(model)["total"])
 
 
-def stored_bytes(measured: int, measured_dtype: torch.dtype, stored_dtype: torch.dtype) -> int:
-    """Cache bytes measured in one dtype, counted in the dtype the model is saved (and served) in."""
-    return measured * stored_dtype.itemsize // measured_dtype.itemsize
-
-
 @torch.no_grad()
 def source_ppl(path: Path, rows: torch.Tensor, device: torch.device) -> float:
     """Perplexity of the model in `path` on `rows` (fp32, freed afterwards): the "before" of a
@@ -229,11 +224,11 @@ def _against_original(report: dict, prior: dict, model: str, kv_intermediate: in
     The MLA-only load notes (oldest transformers, engines) do not hold for the remote-code output."""
     kv_prior = prior.get("kv_cache_bytes_per_token") or {}
     before = kv_prior.get("before", kv_intermediate)
-    after = report["kv_cache_bytes_per_token"]["after"]
+    after, dtype = report["kv_cache_bytes_per_token"]["after"], report["kv_cache_bytes_per_token"]["dtype"]
     load = {k: v for k, v in (prior.get("load") or {}).items() if k not in ("min_transformers", "needs")}
     return {
         "source": {**prior.get("source", {}), "model": model},
-        "kv_cache_bytes_per_token": {"before": before, "after": after},
+        "kv_cache_bytes_per_token": {"before": before, "after": after, "dtype": dtype},
         "kv_cache_fraction": after / before if before else None,
         "kv_cache_effect": "the MLA conversion's latent cache; DEX leaves Q, K, V and that cache untouched",
         "load": {**load, "trust_remote_code": True},
@@ -248,19 +243,13 @@ def _settings(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None))) and k != "command"}
 
 
-def _kv_line(kv: dict) -> str:
-    """'KV cache bytes/token B -> A (F % of the source)': both counts in the output dtype, `before` the user's model."""
-    line = f"  KV cache bytes/token {kv['before']} -> {kv['after']}"
-    return line + (f" ({100 * kv['after'] / kv['before']:.1f} % of the source)" if kv.get("before") else "")
-
-
 def _summary(report: dict, out: str) -> str:
     step = report["steps"][-1]
     lines = [
         f"attnkit convert --to {report['method']}: wrote {out}",
         f"  logits rel. error max {step['logits_rel_err_max']:.2e} (exact: {step['exact']}), "
         f"ppl {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f} ({report['ppl']['split']})",
-        _kv_line(report["kv_cache_bytes_per_token"]),
+        "  " + kv_change(report["kv_cache_bytes_per_token"]),  # before: the user's model, also for mla+dex
     ]
     if "heads" in report:
         sel = report["heads"]["selected"]

@@ -336,7 +336,8 @@ def _conversion_section(convert: dict) -> str:
         ratio = kv["after"] / kv["before"]
         parts += [
             "",
-            "KV cache per token (all layers, as measured by attnkit):",
+            f"KV cache per token (all layers, bytes{' in ' + str(kv['dtype']) + ', the dtype it is stored in' if kv.get('dtype') else ''}; "
+            "as measured by attnkit):",
             "",
             _table(["before", "after", "after / before"], [[kv["before"], kv["after"], f"{ratio:.1%}"]]),
         ]
