@@ -45,7 +45,7 @@ def plain_configs(draw):
     G = draw(st.sampled_from([1, 2, 4]))
     H = G * draw(st.sampled_from([1, 2, 3]))
     d = draw(st.sampled_from([4, 8]))
-    kw = dict(vocab_size=draw(st.integers(5, 50)), hidden_size=H * d if kind == "phi3" else draw(st.sampled_from([16, 24])),
+    kw = dict(vocab_size=draw(st.integers(5, 50)), hidden_size=H * (d if kind == "phi3" else draw(st.sampled_from([4, 8]))),
               intermediate_size=draw(st.integers(3, 40)), num_hidden_layers=draw(st.integers(1, 3)),
               num_attention_heads=H, num_key_value_heads=G, tie_word_embeddings=draw(st.booleans()))
     if kind != "phi3":
