@@ -27,6 +27,7 @@ import torch
 
 from attnkit import __version__
 from attnkit.errors import AttnkitError
+from attnkit.sdpa import implementation_for
 from attnkit.evaluation import tasks as bundled
 from attnkit.io.resolve import check_causal_lm, resolve_model
 
@@ -49,7 +50,9 @@ def load_model(spec: str, dtype: str = "fp32", device: str | None = None):
     except Exception as exc:
         raise AttnkitError(f"cannot load the tokenizer of {spec}: {_first_line(exc)}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=remote)
+        fused = implementation_for(config)  # MLA's q/k vs v head sizes: SDPA's fused kernels, V zero-padded
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=remote,
+                                                     **({"attn_implementation": fused} if fused else {}))
     except Exception as exc:
         raise AttnkitError(f"cannot load {spec} as a causal LM: {_first_line(exc)}") from None
     model.to(_device(device)).eval()

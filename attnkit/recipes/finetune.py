@@ -37,6 +37,7 @@ from attnkit.recipes import batches, measure, state, teacher_cache, trainable
 from attnkit.recipes.export import final_model, input_dtype, save_healed
 from attnkit.recipes.losses import heal_loss
 from attnkit.recipes.recipe import Recipe, load_finetune_recipe
+from attnkit.sdpa import fused_kwargs
 from attnkit.recipes.schedules import broadcast_step, build_scheduler
 
 
@@ -84,7 +85,8 @@ def load_causal_lm(path: Path, trust_remote_code: bool, dtype: torch.dtype = tor
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                    **fused_kwargs(path))  # MLA: SDPA's fused kernels (V padded)
     except Exception as exc:
         raise AttnkitError(f"cannot load {path} as a causal LM: {str(exc).splitlines()[0]}") from None
 

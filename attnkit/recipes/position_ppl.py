@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from attnkit.evaluation.tasks.build import DATA
     from attnkit.io.resolve import resolve_model
+    from attnkit.sdpa import fused_kwargs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("models", nargs="+", help="`reference`, folders or Hub ids (same tokenizer)")
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
     result = {}
     for name, path in zip(args.models, paths):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **fused_kwargs(path)).eval()
         acc = sum(bucket_nll(model, d, tok.eos_token_id, args.max_length) for d in ids)
         result[name] = {f"{lo}-{hi}": {"ppl": round(math.exp(s / n), 3), "tokens": int(n)} for (lo, hi), (s, n) in zip(BUCKETS, acc.tolist())}
         result[name]["all"] = {"ppl": round(math.exp(float(acc[:, 0].sum() / acc[:, 1].sum())), 3), "tokens": int(acc[:, 1].sum())}

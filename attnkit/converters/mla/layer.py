@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
+from attnkit.sdpa import sdpa
 from attnkit.converters.mla.rope import apply_rope, cos_sin, geometric_slot_of
 
 
@@ -355,7 +355,7 @@ def mla_attention(p: MLAParams, x: torch.Tensor, positions: torch.Tensor) -> tor
     k_pe = apply_rope(k_pe, cos.to(x.dtype), sin.to(x.dtype)).expand(B, H, T, -1)
     query = torch.cat([q[..., :d], q_pe], dim=-1)
     key = torch.cat([kv[..., :d], k_pe], dim=-1)
-    out = F.scaled_dot_product_attention(query, key, kv[..., d:], is_causal=True, scale=p.scale)
+    out = sdpa(query, key, kv[..., d:], is_causal=True, scale=p.scale)  # [B, H, T, d]
     return _linear(out.transpose(1, 2).reshape(B, T, H * d), p.o_w, p.o_b)
 
 

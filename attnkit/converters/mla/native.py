@@ -15,6 +15,7 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
+from attnkit.sdpa import register as register_sdpa
 from attnkit.converters.mla.engines import ladder_theta
 from attnkit.converters.mla.layer import MLAParams, Shape
 from attnkit.converters.mla.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
@@ -145,7 +146,7 @@ def target_for(src: Source, s: Settings, rope_dim: int, counts: torch.Tensor | N
     engine = s.target == "engines"
     q_lora = shape.D + 1 if has_q_bias(src) and not engine else None
     cfg = deepseek_config(src.config, shape, rope_dim, kv_lora_rank, q_lora, rope_params, s.dtype_name, engine)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = register_sdpa()  # the fused kernels despite qk != v head sizes (measurement only)
     inv, att = target_rope(cfg)
     if s.rope_frequencies == "exact" and not torch.allclose(inv, slot_inv, rtol=1e-5):
         raise AttnkitError("internal: the exported RoPE frequencies differ from the kept ones")  # guarded by tests
