@@ -34,7 +34,16 @@ _MAX_FILE_BYTES = 2_000_000  # generated tables and data dumps are not useful te
 @dataclass(frozen=True)
 class Document:
     id: str
-    text: str
+    text: str | None  # None: not read yet (a lazily listed file, see `read`)
+    path: Path | None = None
+
+    def read(self) -> str:
+        """The text, read from `path` now if it was listed lazily ("" for a file too large to use)."""
+        if self.text is not None:
+            return self.text
+        if self.path is None or self.path.stat().st_size > _MAX_FILE_BYTES:
+            return ""
+        return self.path.read_text(encoding="utf-8", errors="replace")
 
 
 def split_of(doc_id: str) -> str:
@@ -43,28 +52,31 @@ def split_of(doc_id: str) -> str:
     return "validation" if bucket < VALIDATION_PERCENT else "train"
 
 
-def iter_documents(source: str = "python", split: str = "train") -> Iterator[Document]:
-    """Yield the documents of `source` that fall into `split` (train / validation / all)."""
+def iter_documents(source: str = "python", split: str = "train", lazy: bool = False) -> Iterator[Document]:
+    """Yield the documents of `source` that fall into `split` (train / validation / all).
+
+    `lazy`: plain files are listed, not read (`Document.read` reads one; empty ones are then the
+    caller's to skip), so a caller that needs a few documents of a large tree reads only those."""
     if split not in SPLITS:
         raise AttnkitError(f"unknown split {split!r} (expected one of {', '.join(SPLITS)})")
-    for doc in _iter_all(source):
+    for doc in _iter_all(source, lazy):
         if split == "all" or split_of(doc.id) == split:
             yield doc
 
 
-def _iter_all(source: str) -> Iterator[Document]:
+def _iter_all(source: str, lazy: bool = False) -> Iterator[Document]:
     if source in ("python", "python+site"):
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        yield from _iter_tree(stdlib, prefix="stdlib/", skip_dirs={"site-packages", "dist-packages", "__pycache__"})
+        yield from _iter_tree(stdlib, "stdlib/", {"site-packages", "dist-packages", "__pycache__"}, lazy=lazy)
         if source == "python+site":
             site = Path(sysconfig.get_paths()["purelib"])
-            yield from _iter_tree(site, prefix="site/", skip_dirs={"__pycache__"})
+            yield from _iter_tree(site, "site/", {"__pycache__"}, lazy=lazy)
     elif source.startswith("hf:"):
         yield from _iter_hf(source)
     else:
         path = Path(source).expanduser()
         if path.is_dir():
-            yield from _iter_tree(path, prefix="", skip_dirs={"__pycache__", ".git"}, suffixes=TEXT_SUFFIXES)
+            yield from _iter_tree(path, "", {"__pycache__", ".git"}, TEXT_SUFFIXES, lazy)
         elif path.is_file():
             yield from _iter_file(path, path.name)
         else:
@@ -73,13 +85,18 @@ def _iter_all(source: str) -> Iterator[Document]:
             )
 
 
-def _iter_tree(root: Path, prefix: str, skip_dirs: set[str], suffixes=(".py",)) -> Iterator[Document]:
+def _iter_tree(root: Path, prefix: str, skip_dirs: set[str], suffixes=(".py",), lazy: bool = False) -> Iterator[Document]:
     files = sorted(
         p for p in root.rglob("*") if p.suffix in suffixes and not skip_dirs.intersection(p.relative_to(root).parts)
     )
     for path in files:
-        if path.is_file():
-            yield from _iter_file(path, prefix + path.relative_to(root).as_posix())
+        if not path.is_file():
+            continue
+        doc_id = prefix + path.relative_to(root).as_posix()
+        if lazy and path.suffix != ".jsonl":  # a JSONL file's document ids need its lines
+            yield Document(doc_id, None, path)
+        else:
+            yield from _iter_file(path, doc_id)
 
 
 def _iter_file(path: Path, doc_id: str) -> Iterator[Document]:
@@ -137,13 +154,13 @@ def pack_tokens(
     Raises AttnkitError if the source cannot fill one row.
     """
     eos = tokenizer.eos_token_id
-    docs = shuffled(list(iter_documents(source, split)), seed)
+    docs = shuffled(list(iter_documents(source, split, lazy=True)), seed)
     stream: list[int] = []
     wanted = n_tokens if n_tokens is not None else float("inf")
-    batch = 64
+    batch = 8 if n_tokens is not None else 64  # a small batch reads and tokenises little past n_tokens
     for start in range(0, len(docs), batch):
-        texts = [d.text for d in docs[start : start + batch]]
-        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        texts = [t for t in (d.read() for d in docs[start : start + batch]) if t.strip()]
+        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else ():
             stream.extend(ids)
             if eos is not None:
                 stream.append(eos)

@@ -119,6 +119,23 @@ def test_kv_b_refit_is_exact_when_the_norm_is_a_constant_scale():
     assert refit.relative_error(kvb, B) < 1e-12
 
 
+def test_kv_b_refit_error_is_the_residual_over_the_rows():
+    """relative_error from the accumulated moments equals the residual computed row by row, for any B
+    (not only the solution), also when the caller passes the shared c^T c."""
+    torch.manual_seed(1)
+    m, H, d, T = 6, 3, 2, 300
+    c = torch.randn(T, m, dtype=torch.float64)
+    n = normalised_latent(torch.cat([c, 2.0 + 0.1 * torch.randn(T, 1, dtype=torch.float64)], 1))
+    kvb = torch.randn(H, 2 * d, m, dtype=torch.float64)
+    refit = KvbRefit(m)
+    refit.add(c[:100], n[:100])
+    refit.add(c[100:], n[100:], c[100:].T @ c[100:])
+    for B in (refit.solve(kvb), torch.randn(H, 2 * d, m + 1, dtype=torch.float64)):
+        target = torch.einsum("hem,tm->the", kvb, c)
+        direct = (torch.einsum("hem,tm->the", B, n) - target).pow(2).sum() / target.pow(2).sum()
+        assert abs(refit.relative_error(kvb, B) - float(direct)) < 1e-9 * max(1.0, float(direct))
+
+
 def test_anchor_is_the_steadiest_direction_at_its_ratio():
     torch.manual_seed(0)
     D, N = 12, 5000

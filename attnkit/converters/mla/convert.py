@@ -52,13 +52,14 @@ COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
-def _return_freed_memory(trim: bool = False) -> None:
+def _return_freed_memory(trim: bool = False, mmap_threshold: int = 1 << 20) -> None:
     """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap);
     `trim` also hands back the free pages inside the heap (what tokenising the calibration text
-    and a layer's small tensors leave behind)."""
+    and a layer's small tensors leave behind). A higher `mmap_threshold` serves mid-sized
+    temporaries from the heap instead, without a fresh mapping's page faults each time."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+        libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
         if trim:
             libc.malloc_trim(0)
     except (OSError, AttributeError):
@@ -210,6 +211,9 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     for store in streams.values():
         store.close()
     targets = p.held_out[:, 1:].reshape(-1).to(dev)
+    # the logits comparison allocates and frees ~16 MB temporaries thousands of times and nothing
+    # layer-sized comes after it: from the heap, not fresh mappings (half its time on the reference)
+    _return_freed_memory(trim=True, mmap_threshold=32 << 20)
     src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
                                       lambda: head_chunks(src.ckpt, head_name, dev))
     report = build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
@@ -245,6 +249,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     source_attn = lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=None)[0]  # noqa: E731
     layer_errs, engine_info = {}, {}
     with torch.no_grad():
+        ref = _SourceAttention.of(source_attn, norm1, streams["source"], dev)
         for k in [k for k in REFIT_STAGES if k in streams]:  # the stages this run measures, in order
             if k == "low-rank":
                 low_p = mla.build_stage(aw, rope_plan, shape, mom, beta=beta, metrics=metrics, rank=s.data_rank,
@@ -271,13 +276,17 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                 attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=None)[0]  # noqa: E731
             else:
                 attend = builders[k]()[0]
-            layer_errs[k] = _measure_stage(attend, source_attn, norm1, streams["source"], streams[k], attn_err[k], dev)
+            layer_errs[k] = _measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev)
             del attend
         del native, aw, mom, stat, metrics, builders
-        for store in (streams["source"], h_cal):
-            store.map_(lambda h: h + source_attn(norm1(h)), ROW_BATCH, dev)
+        for lo, _, y in ref.blocks(dev):
+            streams["source"].write(lo, streams["source"].read(lo, lo + ROW_BATCH).to(dev) + y)
+        ref.close()
+        last = layer == src.config["num_hidden_layers"] - 1  # the calibration rows are not read after it
+        if not last:
+            h_cal.map_(lambda h: h + source_attn(norm1(h)), ROW_BATCH, dev)
         load_mlp(module, src, layer, dev)
-        for store in (*streams.values(), h_cal):
+        for store in (*streams.values(), *(() if last else (h_cal,))):
             store.map_(lambda h: h + module.mlp(norm2(h)), ROW_BATCH, dev)
     for name, v in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
         t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
@@ -285,14 +294,39 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
             "frequency_index": rope_plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs, **engine_info}
 
 
-def _measure_stage(attend, source_attn, norm1, source: RowStore, stream: RowStore, stat: ErrorStat, dev: str) -> float:
+@dataclass
+class _SourceAttention:
+    """The source attention's inputs (normed) and outputs on the held-out rows of one layer, computed
+    once and compared with every stage; kept in scratch files beside the source stream."""
+
+    inputs: RowStore
+    outputs: RowStore
+
+    @classmethod
+    def of(cls, source_attn, norm1, source: RowStore, dev: str) -> "_SourceAttention":
+        ref = cls(*(RowStore(source.path.with_name(f"source-{k}.f32"), source.rows, source.row_shape) for k in ("in", "out")))
+        for lo, h in source.blocks(ROW_BATCH):
+            x = norm1(h.to(dev))
+            ref.inputs.write(lo, x)
+            ref.outputs.write(lo, source_attn(x))
+        return ref
+
+    def blocks(self, dev: str):
+        """(first row, normed input, source attention output) per block of rows, on `dev`."""
+        for lo, x in self.inputs.blocks(ROW_BATCH):
+            yield lo, x.to(dev), self.outputs.read(lo, lo + ROW_BATCH).to(dev)
+
+    def close(self) -> None:
+        self.inputs.close(), self.outputs.close()
+
+
+def _measure_stage(attend, ref: _SourceAttention, norm1, stream: RowStore, stat: ErrorStat, dev: str) -> float:
     """A stage's attention error on the source's inputs; its own stream gets its attention residual
     (the MLP half of the layer follows for every stream together)."""
     errs = []
-    for lo, h in stream.blocks(ROW_BATCH):
-        x_src = norm1(source.read(lo, lo + ROW_BATCH).to(dev))
-        errs.append(relative_errors(attend(x_src), source_attn(x_src)))
-        h = h.to(dev)
+    for lo, x_src, y_src in ref.blocks(dev):
+        errs.append(relative_errors(attend(x_src), y_src))
+        h = stream.read(lo, lo + ROW_BATCH).to(dev)
         stream.write(lo, h + attend(norm1(h)))
     e = torch.cat(errs)
     stat.add(e)
@@ -309,8 +343,10 @@ def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor
     lat = torch.cat([p.lat_w.double(), unit[None]]).float().to(dev)  # [m + 1, D]
     for _, b in h_cal.blocks(ROW_BATCH):
         c = (norm1(b.to(dev)) @ lat.T).double()  # [1, T, m + 1]: data latent, then the unit anchor
+        data = c[..., :-1].reshape(-1, c.shape[-1] - 1).cpu()
+        gram = data.T @ data  # the same for every ratio
         for ratio, refit in refits.items():
-            refit.add(c[..., :-1].cpu(), normalised_latent(torch.cat([c[..., :-1], ratio * c[..., -1:]], -1)).cpu())
+            refit.add(data, normalised_latent(torch.cat([c[..., :-1], ratio * c[..., -1:]], -1)).cpu(), gram)
     kv_b = {ratio: refit.solve(p.kvb_w) for ratio, refit in refits.items()}  # [H, 2d, m + 1] each
     errors = {ratio: refit.relative_error(p.kvb_w, kv_b[ratio]) for ratio, refit in refits.items()}
     ratio = min(errors, key=errors.get)

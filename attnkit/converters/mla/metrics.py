@@ -94,15 +94,16 @@ def logits_metrics(source: torch.Tensor, others: dict[str, torch.Tensor], target
             ea = torch.exp(a - new_m[:, None])
             for k, h in others.items():
                 r, b = runs[k], (h.float() @ ws.T).double()
-                r.y = r.y * keep + (ea * (a - b)).sum(1)
-                new_mb = torch.maximum(r.m_b, b.max(dim=1).values)
-                r.z_b = r.z_b * torch.exp(r.m_b - new_mb) + torch.exp(b - new_mb[:, None]).sum(1)
-                r.m_b = new_mb
-                r.sq_diff += ((a - b) ** 2).sum(1)
                 r.tgt_b = _target_logit(r.tgt_b, b, targets, lo + sub)
+                diff = a - b
+                r.y = r.y * keep + torch.linalg.vecdot(ea, diff)
+                r.sq_diff += torch.linalg.vecdot(diff, diff)
+                new_mb = torch.maximum(r.m_b, b.max(dim=1).values)
+                r.z_b = r.z_b * torch.exp(r.m_b - new_mb) + b.sub_(new_mb[:, None]).exp_().sum(1)  # b is spent
+                r.m_b = new_mb
             src.z = src.z * keep + ea.sum(1)
             src.m = new_m
-            src.sq += (a**2).sum(1)
+            src.sq += torch.linalg.vecdot(a, a)
             src.tgt = _target_logit(src.tgt, a, targets, lo + sub)
     lse_a = src.m + src.z.log()
     src_ppl = float(torch.exp((lse_a - src.tgt).mean()))

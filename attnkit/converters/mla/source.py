@@ -197,12 +197,13 @@ def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path) ->
     Scores only rank components, so a quarter of the calibration rows (at least 4) is enough."""
     h = embedded(src, calib[: max(4, calib.shape[0] // 4)], scratch / "rope-prepass.f32")
     src_pe = source_pe(src, calib.shape[1], s.device)
-    scores = []
-    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rope scores", unit="layer"):
-        module = load_layer(src, layer, s.device)
+    scores, n_layers = [], src.config["num_hidden_layers"]
+    for layer in tqdm(range(n_layers), desc="rope scores", unit="layer"):
+        module = load_layer(src, layer, s.device, mlp=layer < n_layers - 1)  # the last layer's output is not read
         mom = moment(module, src.family, h, src.shape, s.device).value
         scores.append(layer_rope_scores(cpu_weights(module, src), mom, src.shape, s.rope_method)[1])
-        h.map_(through(module, src_pe), ROW_BATCH, s.device)
+        if layer < n_layers - 1:
+            h.map_(through(module, src_pe), ROW_BATCH, s.device)
         del module
     h.close()
     return scores
