@@ -3,6 +3,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -15,3 +16,9 @@ def load_benchmark(relative: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Every file under `folder`: relative path -> sha256 of its bytes (a folder left untouched has the same)."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}

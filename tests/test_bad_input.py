@@ -1,6 +1,5 @@
 """Bad input from issue "The first hour": one line, exit 2, nothing written, the source untouched."""
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -12,15 +11,8 @@ from attnkit.cli import main
 from attnkit.io.checkpoint import atomic_output_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mla_fixtures import calib_folder, save_model  # noqa: E402
-
-
-def _tree(folder: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(folder.rglob("*")):
-        if f.is_file():
-            h.update(str(f.relative_to(folder)).encode() + f.read_bytes())
-    return h.hexdigest()
+from mla_fixtures import save_model  # noqa: E402
+from conftest import tree_digest  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +23,7 @@ def src(tmp_path_factory):
 @pytest.mark.parametrize("to", ["mla", "dex"])
 @pytest.mark.parametrize("where", ["same", "inside", "parent", "symlink"])
 def test_output_on_the_source_is_refused_whatever_the_flags(tmp_path, src, capsys, to, where):
-    before = _tree(src)
+    before = tree_digest(src)
     out = {"same": src, "inside": src / "out", "parent": src.parent}.get(where)
     if where == "symlink":
         out = tmp_path / "link"
@@ -42,7 +34,7 @@ def test_output_on_the_source_is_refused_whatever_the_flags(tmp_path, src, capsy
                     ["convert", "--to", to, str(src), "-o", str(out), *force]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "source model" in err[0] and "--force" not in err[0]
-    assert _tree(src) == before and not (src / "out").exists()
+    assert tree_digest(src) == before and not (src / "out").exists()
 
 
 def test_bad_context_list_is_one_line():

@@ -1,6 +1,5 @@
 """`attnkit convert --to mla` end to end: every family converts, loads natively and matches."""
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from attnkit.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mla_fixtures import calib_folder, save_model  # noqa: E402
+from conftest import tree_digest  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
 
@@ -96,14 +96,6 @@ def test_geometric_frequencies_and_bf16_sharded_source(tmp_path, calib):
     assert _logits_rel(sharded, tmp_path / "out") < 1e-4  # MQA, d_r = d: the plain ladder is exact
 
 
-def _tree_hash(folder: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(folder.rglob("*")):
-        if f.is_file():
-            h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()
-
-
 @pytest.mark.parametrize("extra, message", [
     (["--kv-lora-rank", "0"], "--kv-lora-rank must be"),
     (["--kv-lora-rank", "1000"], "--kv-lora-rank must be"),
@@ -127,7 +119,7 @@ def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, l
     assert _convert(tmp_path / "qwen3", tmp_path / "o", calib) == 2
     assert "QK-norm" in capsys.readouterr().err
     src = llama
-    before = _tree_hash(src)
+    before = tree_digest(src)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "a.txt").write_text("   ")
@@ -152,4 +144,4 @@ def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, l
     monkeypatch.setattr(pipe, "mlp_tensors", interrupt)
     assert _convert(src, tmp_path / "o", calib) == 130
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.attnkit-tmp-*"))
-    assert _tree_hash(src) == before
+    assert tree_digest(src) == before

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from attnkit.cli import main as cli_main
+from conftest import tree_digest
 from tests.hub_server import HubServer
 
 TOKEN = "hf_test_token"
@@ -194,14 +195,6 @@ def test_push_http_errors_are_one_line(model_dir, online, monkeypatch, tmp_path,
     assert words in _one_line_error(capsys)
 
 
-def _tree(folder: Path) -> dict[str, str]:
-    """Every file under `folder` (relative path → sha256 of its bytes)."""
-    import hashlib
-
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def _unreachable_endpoint() -> str:
     import socket
 
@@ -232,7 +225,7 @@ def test_failed_push_changes_nothing_in_the_folder(model_dir, online, monkeypatc
     folder = _copy(model_dir, tmp_path)
     if card == "generated":
         write_model_card(folder)  # as convert leaves it: no repo id in the loading snippet yet
-    before = _tree(folder)
+    before = tree_digest(folder)
     with HubServer(TOKEN) as hub:
         if failure == "unreachable":
             argv = ["push", str(folder), "--repo-id", "alice/tiny-mla", "--endpoint", _unreachable_endpoint(), "--token", TOKEN]
@@ -241,18 +234,18 @@ def test_failed_push_changes_nothing_in_the_folder(model_dir, online, monkeypatc
             hub.fail[failure[0]] = failure[1]
             assert _push(folder, hub) == 2
     assert words in _one_line_error(capsys)
-    assert _tree(folder) == before
+    assert tree_digest(folder) == before
 
 
 def test_successful_push_leaves_the_pushed_card_in_the_folder(model_dir, online, tmp_path):
     folder = _copy(model_dir, tmp_path)
-    before = _tree(folder)
+    before = tree_digest(folder)
     with HubServer(TOKEN) as hub:
         assert _push(folder, hub) == 0
         remote = hub.files("alice/tiny-mla")
     assert (folder / "README.md").read_bytes() == remote["README.md"]
     assert b'from_pretrained("alice/tiny-mla")' in remote["README.md"]
-    after = _tree(folder)
+    after = tree_digest(folder)
     assert {k: v for k, v in after.items() if k != "README.md"} == before  # nothing else written
     assert not list(folder.glob("*.tmp.*")) and not list(tmp_path.glob("attnkit-push-*"))
 

@@ -2,7 +2,6 @@
 work, by every `attnkit convert` method (one line, exit 2, nothing written, source untouched), and
 `eval` / `bench` name the tensor in one line instead of transformers' load report."""
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from attnkit.io.checkpoint import LazyCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mla_fixtures import calib_folder, save_model  # noqa: E402
+from conftest import tree_digest  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
 CLASSES = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
@@ -142,14 +142,6 @@ def _tiny(kind):
 # ---------------------------------------------------------------- through the CLI
 
 
-def _tree(folder: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(folder.rglob("*")):
-        if f.is_file():
-            h.update(str(f.relative_to(folder)).encode() + f.read_bytes())
-    return h.hexdigest()
-
-
 def _edit_config(folder: Path, **fields) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, **fields}, indent=2))
@@ -193,7 +185,7 @@ def _bad_copy(sources, kind: str, defect: str, tmp_path: Path) -> Path:
 
 
 def _refused(argv: list[str], src: Path, out: Path, capsys, words: list[str]) -> None:
-    before = _tree(src)
+    before = tree_digest(src)
     capsys.readouterr()
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -202,7 +194,7 @@ def _refused(argv: list[str], src: Path, out: Path, capsys, words: list[str]) ->
     for word in words:
         assert word in err[0], (word, err[0])
     assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
-    assert _tree(src) == before
+    assert tree_digest(src) == before
 
 
 CASES = ([("mla", kind, defect) for kind in FAMILIES for defect in DEFECTS]
@@ -233,13 +225,13 @@ def test_a_deepseek_v3_source_is_checked_too(tmp_path, calib, capsys):
 
 def test_the_console_script_says_one_line_and_exits_2(sources, tmp_path):
     src = _bad_copy(sources, "qwen2", "vocab_size", tmp_path)
-    before = _tree(src)
+    before = tree_digest(src)
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "-m", "attnkit.cli", "convert", "--to", "mla", str(src), "-o", str(out)],
                          capture_output=True, text=True)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert "model.embed_tokens.weight has shape [100, 64], config.json implies [120, 64] (vocab_size=120" in run.stderr
-    assert not out.exists() and _tree(src) == before
+    assert not out.exists() and tree_digest(src) == before
 
 
 def test_a_consistent_model_still_converts(sources, calib, tmp_path, capsys):
