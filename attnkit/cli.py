@@ -81,6 +81,7 @@ def _add_convert(sub) -> None:
         "with --target transformers): each kept component at its source frequency (longrope factors); geometric: plain "
         "ladder with folding",
     )
+    mla.add_argument("--v-head-dim", type=int, default=None, metavar="N", help="value head size written, >= head_dim: zero-padded, exact, the cache unchanged (e.g. 128 for a head_dim-64 source, which vLLM's CUDA prefill kernels need); default head_dim")
     mla.add_argument("--objective", choices=["kv", "attention"], default="attention", help="latent PCA metric: kv = balanced K/V energy; attention = query-weighted keys, o_proj-weighted values")
     mla.add_argument("--eval-tokens", type=int, default=4096, metavar="N", help="held-out tokens for the per-step error report")
     mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, --rope-dim) split is chosen by measuring candidate conversions on held-out text")

@@ -247,3 +247,44 @@ def test_engine_sizes_are_reported_with_the_backends_that_take_them():
                if k != "transformers")
     assert "longrope" in engine_support(512, 64, 128, 128, "transformers", "exact")["vLLM"]
     assert "longrope" not in engine_support(512, 64, 128, 128, "transformers", "geometric")["vLLM"]
+
+
+def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(ids).logits
+
+
+@pytest.mark.parametrize("target", ["engines", "transformers"])
+def test_padded_value_heads_are_the_same_model(engine_out, tmp_path, target):
+    """--v-head-dim 2*head_dim: zero V rows in kv_b_proj and zero o_proj columns, same logits, same cache."""
+    src, engine_plain = engine_out
+    calib = engine_plain.parent / "calib"
+    args = ["--calib", str(calib), "--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128",
+            "--rope-dim", "8", "--kv-lora-rank", "25", "--target", target]
+    plain = engine_plain
+    if target != "engines":
+        plain = tmp_path / "plain"
+        assert main(["convert", "--to", "mla", str(src), "-o", str(plain), *args]) == 0
+    padded = tmp_path / "padded"
+    head_dim = json.loads((plain / "config.json").read_text())["v_head_dim"]
+    assert main(["convert", "--to", "mla", str(src), "-o", str(padded), *args, "--v-head-dim", str(2 * head_dim)]) == 0
+    cfg = json.loads((padded / "config.json").read_text())
+    report = json.loads((padded / "attnkit_report.json").read_text())
+    assert cfg["v_head_dim"] == 2 * head_dim == report["target"]["v_head_dim"] and cfg["qk_nope_head_dim"] == head_dim
+    assert report["kv_cache_bytes_per_token"] == json.loads((plain / "attnkit_report.json").read_text())["kv_cache_bytes_per_token"]
+    ids = torch.randint(0, cfg["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    a, b = _logits(plain, ids), _logits(padded, ids)
+    assert float((a - b).norm() / a.norm()) < 1e-5
+
+
+def test_value_heads_are_padded_never_cut(tmp_path, capsys):
+    assert main(["convert", "--to", "mla", "reference", "-o", str(tmp_path / "o"), "--v-head-dim", "32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--v-head-dim must be >= head_dim 64" in err[0] and not (tmp_path / "o").exists()
+
+
+def test_padding_values_makes_head_dim_64_sizes_vllm_prefill_sizes():
+    from attnkit.converters.mla.engines import engine_support
+
+    assert engine_support(448, 64, 64, 64, "engines")["vLLM"].startswith("no")  # (64, 64) is no prefill pair
+    assert engine_support(448, 64, 64, 128, "engines")["vLLM"] == "yes"  # r + d_r = 512; (64, 128) is one

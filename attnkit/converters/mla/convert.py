@@ -31,7 +31,7 @@ from attnkit.converters.mla.candidates import choose_split, rope_score_pass
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
 from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
 from attnkit.converters.mla.engines import (ANCHOR_RATIOS, KvbRefit, anchor_row, engine_attention_tensors,
-                                            ladder_stride, normalised_latent)
+                                            ladder_stride, normalised_latent, pad_value_heads)
 from attnkit.converters.mla.native import Target, constant_for, native_attention_tensors, target_for
 from attnkit.converters.mla.refit import REFIT_ROWS, refit_stage
 from attnkit.converters.mla.report import build_report, format_report
@@ -269,6 +269,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                     tensors = native_attention_tensors(mla.on_device(p32, "cpu"), shape, constant_for(z_max, s.out_dtype),
                                                        constant_for(stat.max_norm, s.out_dtype) if t.q_bias else None)
                 del p32
+                tensors = pad_value_heads(tensors, shape.H, shape.d, shape.d, s.v_head_dim)
                 tensors = {n: v.to(s.out_dtype) for n, v in tensors.items()}  # what is written, and measured
                 with torch.device("meta"):
                     native = DeepseekV3Attention(t.target.config, layer)

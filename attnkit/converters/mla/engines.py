@@ -126,6 +126,20 @@ def engine_attention_tensors(p: MLAParams, shape: Shape, g: torch.Tensor, anchor
     }
 
 
+def pad_value_heads(tensors: dict[str, torch.Tensor], heads: int, nope: int, v: int, v_new: int) -> dict[str, torch.Tensor]:
+    """The same attention with value heads of v_new >= v: each head's V rows of `kv_b_proj` get
+    v_new - v zero rows and `o_proj` the matching zero columns, so the extra output dims are zero
+    and read by nothing (exact; the cache, which holds the latent, is unchanged)."""
+    if v_new == v:
+        return tensors
+    kv_b = tensors["kv_b_proj.weight"].reshape(heads, nope + v, -1)  # [H, nope + v, r]
+    o = tensors["o_proj.weight"].reshape(-1, heads, v)  # [D, H, v]
+    pad_rows = kv_b.new_zeros(heads, v_new - v, kv_b.shape[-1])
+    return {**tensors,
+            "kv_b_proj.weight": torch.cat([kv_b, pad_rows], 1).reshape(heads * (nope + v_new), -1),
+            "o_proj.weight": torch.cat([o, o.new_zeros(o.shape[0], heads, v_new - v)], 2).reshape(o.shape[0], -1)}
+
+
 # What each engine's MLA kernels take, read from their code (docs/serving.md cites file and line):
 # vLLM 0.33's CUDA prefill backends need qk_rope_head_dim 64 and (qk_nope, v) in these pairs, and its
 # decode backends a cached head of r + d_r in DECODE_SIZES (Triton-MLA: any); llama.cpp takes any

@@ -28,7 +28,7 @@ CONST_MARGIN = 1e4
 
 
 def deepseek_config(src: dict, shape: Shape, d_r: int, kv_lora_rank: int, q_lora_rank: int | None,
-                    rope_parameters: dict, dtype: str, engine: bool = False) -> DeepseekV3Config:
+                    rope_parameters: dict, dtype: str, engine: bool = False, v_head_dim: int | None = None) -> DeepseekV3Config:
     """A dense DeepSeek-V3 config: no MoE layer is built (first_k_dense_replace = num layers).
 
     `engine`: the engine export's form (no biases, interleaved RoPE, q latent of rank D, an untied
@@ -55,7 +55,7 @@ def deepseek_config(src: dict, shape: Shape, d_r: int, kv_lora_rank: int, q_lora
         q_lora_rank=q_lora_rank,
         qk_rope_head_dim=d_r,
         qk_nope_head_dim=shape.d,
-        v_head_dim=shape.d,
+        v_head_dim=v_head_dim or shape.d,
         hidden_act=src.get("hidden_act", "silu"),
         max_position_embeddings=src.get("max_position_embeddings", 4096),
         rms_norm_eps=src.get("rms_norm_eps", 1e-6),
@@ -145,7 +145,7 @@ def target_for(src: Source, s: Settings, rope_dim: int, counts: torch.Tensor | N
         rope_params = geometric_rope_parameters(src_rope)
     engine = s.target == "engines"
     q_lora = shape.D + 1 if has_q_bias(src) and not engine else None
-    cfg = deepseek_config(src.config, shape, rope_dim, kv_lora_rank, q_lora, rope_params, s.dtype_name, engine)
+    cfg = deepseek_config(src.config, shape, rope_dim, kv_lora_rank, q_lora, rope_params, s.dtype_name, engine, s.v_head_dim)
     cfg._attn_implementation = register_sdpa()  # the fused kernels despite qk != v head sizes (measurement only)
     inv, att = target_rope(cfg)
     if s.rope_frequencies == "exact" and not torch.allclose(inv, slot_inv, rtol=1e-5):

@@ -35,6 +35,7 @@ class Settings:
     refit_query: str = "attention"  # off | attention | uniform: distance weights of the query refit
     kv_budget: float | None = None  # fraction of the source's KV bytes; the split is then measured
     target: str = "transformers"  # engines: within llama.cpp / vLLM / SGLang; transformers: exact there only
+    v_head_dim: int = 0  # value head size written (>= head_dim, zero-padded); 0 before resolve_settings
 
     @property
     def data_rank(self) -> int:
@@ -83,6 +84,9 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt) -> Settings:
             raise AttnkitError(
                 f"--kv-lora-rank must be in 2..{top} (2*G*head_dim - rope_dim + 1 norm channel), got {rank}"
             )
+    v_head_dim = getattr(args, "v_head_dim", None) or shape.d
+    if v_head_dim < shape.d:
+        raise AttnkitError(f"--v-head-dim must be >= head_dim {shape.d} (values are zero-padded, never cut), got {v_head_dim}")
     for name in ("calib_tokens", "calib_seq_len"):
         if getattr(args, name) <= 1:
             raise AttnkitError(f"--{name.replace('_', '-')} must be > 1")
@@ -95,7 +99,7 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt) -> Settings:
         seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=DTYPE_NAMES.get(out_dtype, "float32"),
         out_dtype=out_dtype, src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
         refit_query=getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off",
-        kv_budget=budget, target=target,
+        kv_budget=budget, target=target, v_head_dim=v_head_dim,
     )
 
 
