@@ -213,7 +213,7 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     targets = p.held_out[:, 1:].reshape(-1).to(dev)
     # the logits comparison allocates and frees ~16 MB temporaries thousands of times and nothing
     # layer-sized comes after it: from the heap, not fresh mappings (half its time on the reference)
-    _return_freed_memory(trim=True, mmap_threshold=32 << 20)
+    _return_freed_memory(trim=True, mmap_threshold=1 << 20)
     src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
                                       lambda: head_chunks(src.ckpt, head_name, dev))
     report = build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
@@ -348,10 +348,15 @@ def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor
         gram = data.T @ data  # the same for every ratio
         for ratio, refit in refits.items():
             refit.add(data, normalised_latent(torch.cat([c[..., :-1], ratio * c[..., -1:]], -1)).cpu(), gram)
-    kv_b = {ratio: refit.solve(p.kvb_w) for ratio, refit in refits.items()}  # [H, 2d, m + 1] each
-    errors = {ratio: refit.relative_error(p.kvb_w, kv_b[ratio]) for ratio, refit in refits.items()}
-    ratio = min(errors, key=errors.get)
-    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), ratio * unit, kv_b[ratio])
+    errors, best = {}, None
+    for ratio, refit in refits.items():  # one [H, 2d, m + 1] solution alive besides the best
+        kv_b = refit.solve(p.kvb_w)
+        errors[ratio] = refit.relative_error(p.kvb_w, kv_b)
+        if best is None or errors[ratio] < errors[best[0]]:
+            best = (ratio, kv_b)
+        del kv_b
+    ratio, kv_b = best
+    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), ratio * unit, kv_b)
     return tensors, {"anchor_ratio": ratio, "kv_refit_rel_err": errors[ratio],
                      "kv_refit_rel_err_by_ratio": {str(r): e for r, e in errors.items()}}
 

@@ -59,7 +59,8 @@ def anchor_row(moment: torch.Tensor, lat_w: torch.Tensor, ratio: float) -> torch
     D = moment.shape[0] - 1
     mu = moment[:D, D]
     cov = moment[:D, :D] - torch.outer(mu, mu)
-    v = torch.linalg.solve(cov + 1e-6 * cov.diagonal().mean() * torch.eye(D, dtype=cov.dtype), mu)
+    cov.diagonal().add_(1e-6 * cov.diagonal().mean())  # the ridge in place: no [D, D] identity and sum (2 x 32 MB at D 2048)
+    v = torch.linalg.solve(cov, mu)
     data_norm = torch.einsum("md,de,me->", lat_w, moment[:D, :D], lat_w).clamp_min(1e-30).sqrt()  # sqrt E|c|^2
     return v * (ratio * data_norm / (v @ mu).abs().clamp_min(1e-30)) * torch.sign(v @ mu)
 
@@ -113,8 +114,10 @@ def engine_attention_tensors(p: MLAParams, shape: Shape, g: torch.Tensor, anchor
     m, d_r = p.lat_w.shape[0], p.pe_w.shape[0]
     g = g.double()
     inv_g = torch.where(g != 0, 1.0 / g, torch.zeros_like(g))
-    q_w = p.q_w.reshape(H, d + d_r, D).double()
-    q_w = torch.cat([q_w[:, :d], torch.stack([interleave(q_w[h, d:]) for h in range(H)])], dim=1)  # [H, d+d_r, D]
+    # q_b_proj and o_proj are the stage's own values, only moved: kept in their dtype (the same after
+    # the output cast; a [H (d + d_r), D] fp64 copy and its permuted twin were the layer's peak)
+    q_w = p.q_w.reshape(H, d + d_r, D).clone()
+    q_w[:, d:] = q_w[:, d:].index_select(1, interleave(torch.arange(d_r)))  # [H, d+d_r, D], rope rows permuted
     return {
         "q_a_proj.weight": torch.diag(inv_g),  # q_a = x~ / g = u: RMS 1 for every token
         "q_a_layernorm.weight": g.clone(),  # restores x~
@@ -122,7 +125,7 @@ def engine_attention_tensors(p: MLAParams, shape: Shape, g: torch.Tensor, anchor
         "kv_a_proj_with_mqa.weight": torch.cat([p.lat_w.double(), anchor[None].double(), interleave(p.pe_w.double())]),
         "kv_a_layernorm.weight": torch.ones(m + 1, dtype=torch.float64),
         "kv_b_proj.weight": kv_b.reshape(H * 2 * d, m + 1),
-        "o_proj.weight": p.o_w.double(),
+        "o_proj.weight": p.o_w,
     }
 
 
