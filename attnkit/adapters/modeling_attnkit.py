@@ -1,4 +1,4 @@
-"""Models converted by `attnkit convert --to dex|diff`: the source architecture plus DEX/DIFF modules.
+"""Models converted by `attnkit convert --to dex|diff|titans`: the source architecture plus DEX/DIFF/Titans modules.
 
 Each supported family is described once in `families.py` (shared with the converters); `FAMILIES`
 here adds how its attention turns hidden states into per-head Q, K, V. The retrofitted attention forward is
@@ -7,6 +7,7 @@ the family's own computation up to the attention function, then:
     out = attention(Q, K, V)                        # [B, T, H, d_v], the source's kernel (sdpa/eager/…)
     DIFF: out = diff(out, attention(Q2, K, V))      # second map from a new query, same cached K
     DEX:  out = dex(out)                            # O − λ·f_D(O) on selected heads
+    Titans: attention over the last W keys, then out = titans(hidden, out)   # memory mixed in by a gate
     return o_proj(out.reshape(B, T, H·d_v))
 
 Q, K, V, the cache and o_proj are the source's, so the KV cache is unchanged and LoRA on the
@@ -36,6 +37,7 @@ from .dex import DexHeadMix
 from .diff import DiffCombine
 from .families import FAMILIES as DESCRIPTIONS
 from .families import Family as Description
+from .titans import TitansMemory, new_token_validity, titans_cache_layer, window_mask, with_titans_cache
 
 
 # ---------------------------------------------------------------- per-family Q / K / V
@@ -152,7 +154,16 @@ def _retrofit_forward(self, hidden_states, position_embeddings=None, attention_m
     window = family.sliding_window(self)
     if window is not None:
         extra["sliding_window"] = window
+    titans = getattr(self, "titans", None)
+    if titans is not None:  # the source attention over the last W keys only
+        valid = new_token_validity(attention_mask, seq, k.shape[-2])  # [B, T] or None
+        attention_mask = window_mask(attention_mask, seq, k.shape[-2], titans.window, q.dtype, q.device)
     out, weights = attention(self, q, k, v, attention_mask, **extra, **kwargs)  # out [B, T, H, d_v]
+    if titans is not None:
+        layer_cache = titans_cache_layer(cache, self.layer_idx)
+        out, state = titans(hidden_states, out, valid, layer_cache.memory if layer_cache is not None else None)
+        if layer_cache is not None:
+            layer_cache.memory = state
     if hasattr(self, "diff"):
         q2 = family.queries(self, self.diff_q_proj, hidden_states, position_embeddings)
         out2, _ = attention(self, q2, k, v, attention_mask, **extra, **kwargs)
@@ -188,6 +199,9 @@ def install_retrofit(model: nn.Module, config, family_name: str) -> None:
         attn.attnkit_family = family_name
         if method in ("dex", "mla+dex"):
             attn.dex = DexHeadMix(heads, head_dim, spec["selected_heads"][layer], layer, anneal)
+        elif method == "titans":
+            attn.titans = TitansMemory(config.hidden_size, heads, head_dim, spec["memory_dim"], spec["memory_depth"],
+                                       spec["window"], spec["chunk"], layer, anneal)
         elif method == "diff":
             attn.diff_q_proj = nn.Linear(config.hidden_size, heads * family.query_dim(config), bias=False)
             nn.init.zeros_(attn.diff_q_proj.weight)  # A2 starts as the uniform causal average
@@ -207,10 +221,15 @@ def _make_classes(family_name: str, family: Family) -> tuple[type, type]:
         family.model_class.__init__(self, config)
         install_retrofit(self, config, family_name)
 
+    def forward(self, *args, **kwargs):
+        if self.config.attnkit.get("method") == "titans":  # its bounded cache, not the default one
+            kwargs = with_titans_cache(self.config, kwargs)
+        return family.model_class.forward(self, *args, **kwargs)
+
     model_class = type(
         f"{stem}ForCausalLM",
         (family.model_class,),
-        {"config_class": config_class, "__init__": __init__, "__module__": __name__},
+        {"config_class": config_class, "__init__": __init__, "forward": forward, "__module__": __name__},
     )
     config_class.register_for_auto_class()
     model_class.register_for_auto_class("AutoModelForCausalLM")

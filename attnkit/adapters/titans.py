@@ -1,0 +1,310 @@
+"""Titans retrofit (Behrouz, Zhong & Mirrokni 2025, "Learning to Memorize at Test Time"), Memory as Gate.
+
+Per layer, beside the source attention restricted to the last W tokens, a neural long-term memory:
+a per-head MLP M whose weights are per-sequence state, written while reading. For token t (per head,
+memory keys/queries L2-normalised):
+
+    loss    l_t(M) = ||M(k_t) - v_t||^2                        (associative memory)
+    S_t     = eta_t * S_{t-1} - theta_t * grad l_t(M_0)         (surprise with momentum)
+    M_t     = (1 - alpha_t) * M_{t-1} + S_t                     (forgetting = weight decay)
+
+eta (momentum), alpha (forgetting) and theta (step) are per-token, per-head sigmoids of linear maps
+of the layer input; theta is scaled by 1/C, so the steps of one chunk (all taken at the same weights)
+sum to at most 1, the stable step of gradient descent on ||W k - v||^2 with unit keys (measured here:
+unscaled, a random model's memory overflowed within four chunks of 8). Tokens are read in chunks of C: every gradient in a chunk is taken at M_0, the
+weights at the chunk's start (the paper's parallel form), so one chunk's update is a closed form,
+a few matmuls with per-token scalar coefficients (`chunk_coefficients`), with no [C, M, M] tensor.
+A token retrieves M_0(q_t): the memory of the earlier chunks; its own chunk is inside the window
+(C <= W is required).
+
+Memory as Gate: out_h = attn_h + ramp * g_h(x) * (mem_h - attn_h), mem_h = M_0(q_t) mapped to the head's
+value space. `ramp` starts at 0 (the converted model is the source with a window) and is opened by
+the fine-tune schedule like DEX/DIFF's lambda (`attnkit_set_step`).
+
+State kept while generating (`TitansCacheLayer`, a transformers `DynamicSlidingWindowLayer`): the
+last W - 1 keys/values, the memory weights and momentum at the last chunk boundary, and the < C
+tokens read since (their memory keys, values and gate values). Its size does not grow with context.
+
+This file is copied next to converted checkpoints (trust_remote_code): it imports only torch and transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
+
+from .dex import anneal_ramp
+
+# gate biases at conversion: momentum eta ~ 0.88, forgetting alpha ~ 0.007, step theta ~ 0.12 / C,
+# MAG gate g ~ 0.12 once the ramp is open (the memory starts as a small correction)
+ETA_BIAS, ALPHA_BIAS, THETA_BIAS, MIX_BIAS = 2.0, -5.0, -2.0, -2.0
+PENDING = ("k", "v", "log_keep", "log_eta", "theta")  # what a token waiting for its chunk's end keeps
+
+
+# ---------------------------------------------------------------- the memory MLP (pure functions)
+
+
+def _silu_grad(z: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
+
+
+def memory_apply(weights: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """x [B, H, N, M] through the MLP with per-sequence weights [B, H, M_in, M_out] (SiLU between
+    layers); returns the output and each layer's pre-activation input (for `memory_grads`)."""
+    pre = []
+    h = x
+    for i, w in enumerate(weights):
+        pre.append(h)
+        h = (F.silu(h) if i > 0 else h) @ w  # [B, H, N, M_out]
+    return h, pre
+
+
+def memory_grads(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 coefs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """For each coefficient set c [B, H, N]: sum_t c_t * grad_W l_t(W) per weight, l_t = ||M(k_t) - v_t||^2.
+
+    Written out (not autograd) so the per-token gradients are never materialised: sum_t c_t a_t^T d_t
+    is one matmul (a_t: a layer's input, d_t: the loss gradient at its output)."""
+    y, pre = memory_apply(weights, k)
+    delta = 2 * (y - v)  # dl/dy [B, H, N, M]
+    sums: list[list[torch.Tensor]] = [[None] * len(weights) for _ in coefs]
+    for i in reversed(range(len(weights))):
+        a = F.silu(pre[i]) if i > 0 else pre[i]  # the layer's input [B, H, N, M_in]
+        for j, c in enumerate(coefs):
+            sums[j][i] = (a * c.unsqueeze(-1)).transpose(-1, -2) @ delta  # [B, H, M_in, M_out]
+        if i > 0:
+            delta = (delta @ weights[i].transpose(-1, -2)) * _silu_grad(pre[i])
+    return sums
+
+
+def chunk_coefficients(log_keep: torch.Tensor, log_eta: torch.Tensor, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Scalars that fold one chunk of the recurrence into closed form; inputs [B, H, C] (fp32).
+
+    With A = prod(1 - alpha), E = prod(eta) over a range of steps, g_s the gradient at M_0:
+        M_C = A_all M_0 + carry S_0 - sum_s w_s g_s,   w_s = theta_s sum_{t>=s} A_(t,C] E_(s,t]
+        S_C = E_all S_0 - sum_s u_s g_s,               u_s = theta_s E_(s,C],  carry = sum_t A_(t,C] E_[1,t]
+    """
+    la, le = log_keep.cumsum(-1), log_eta.cumsum(-1)  # [B, H, C]
+    after = la[..., -1:] - la  # log A_(t, C]
+    n = log_keep.shape[-1]
+    later = torch.ones(n, n, dtype=torch.bool, device=la.device).tril()  # [t, s]: t >= s
+    expo = (after + le).unsqueeze(-1) - le.unsqueeze(-2)  # [B, H, t, s]: log A_(t,C] E_(s,t]
+    w = theta * expo.masked_fill(~later, float("-inf")).exp().sum(-2)
+    return {"keep_all": la[..., -1].exp(), "eta_all": le[..., -1].exp(), "carry": (after + le).exp().sum(-1),
+            "w": w, "u": theta * (le[..., -1:] - le).exp()}
+
+
+@dataclass
+class MemoryState:
+    """One layer's memory for a batch: MLP weights and momentum at the last chunk boundary, and the
+    tokens read since (each PENDING field [B, H, n, ...], n < chunk)."""
+
+    weights: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.weights, *self.momentum, *self.pending.values()]
+
+    def map(self, fn) -> "MemoryState":
+        return MemoryState([fn(w) for w in self.weights], [fn(s) for s in self.momentum],
+                           {k: fn(t) for k, t in self.pending.items()})
+
+
+def update_chunk(state: MemoryState, chunk: dict[str, torch.Tensor]) -> MemoryState:
+    """The memory after one full chunk of tokens (fields of PENDING, [B, H, C, ...])."""
+    co = chunk_coefficients(chunk["log_keep"], chunk["log_eta"], chunk["theta"])
+    gw, gu = memory_grads(state.weights, chunk["k"], chunk["v"], [co["w"], co["u"]])
+    scalar = lambda name: co[name][..., None, None]  # [B, H] -> [B, H, 1, 1]
+    weights = [scalar("keep_all") * w + scalar("carry") * s - g for w, s, g in zip(state.weights, state.momentum, gw)]
+    momentum = [scalar("eta_all") * s - g for s, g in zip(state.momentum, gu)]
+    return MemoryState(weights, momentum)
+
+
+def memory_read_write(state: MemoryState, queries: torch.Tensor, tokens: dict[str, torch.Tensor],
+                      chunk: int) -> tuple[torch.Tensor, MemoryState]:
+    """Read `queries` [B, H, T, M] and write `tokens` (PENDING fields, [B, H, T, ...]) chunk by chunk.
+
+    Chunk boundaries count from the first token the state ever saw, so reading a sequence in pieces
+    (decoding) gives what reading it at once gives. Each query reads the weights at its chunk's start."""
+    todo = {k: torch.cat([state.pending[k], t], dim=2) if state.pending else t for k, t in tokens.items()}
+    offset = todo["k"].shape[2] - queries.shape[2]  # pending tokens before the first query
+    outputs = []
+    start = 0
+    while start < todo["k"].shape[2]:
+        end = start + chunk
+        lo, hi = max(start, offset) - offset, min(end, todo["k"].shape[2]) - offset  # query rows in this chunk
+        if hi > lo:
+            outputs.append(memory_apply(state.weights, queries[:, :, lo:hi])[0])
+        piece = {k: t[:, :, start:end] for k, t in todo.items()}
+        if piece["k"].shape[2] == chunk:
+            state = update_chunk(state, piece)
+        else:
+            state = MemoryState(state.weights, state.momentum, piece)
+        start = end
+    return torch.cat(outputs, dim=2), state
+
+
+# ---------------------------------------------------------------- masks for the window
+
+
+def new_token_validity(mask: torch.Tensor | None, q_len: int, k_len: int) -> torch.Tensor | None:
+    """[B, T] True for real tokens, read off the diagonal of the 4D attention mask (a padding token
+    attends to nothing, not even itself); None when there is no mask (no padding)."""
+    if mask is None:
+        return None
+    idx = torch.arange(q_len, device=mask.device)
+    diag = mask[:, 0, idx, k_len - q_len + idx]  # [B, T]
+    return diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+
+
+def window_mask(mask: torch.Tensor | None, q_len: int, k_len: int, window: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """The model's mask [B, 1, T, S] further restricted to the last `window` keys (the query's own
+    included); query i is key k_len - q_len + i. No mask in: causal + window, additive in `dtype`."""
+    qi = torch.arange(q_len, device=device).unsqueeze(1) + (k_len - q_len)  # [T, 1]
+    kj = torch.arange(k_len, device=device).unsqueeze(0)  # [1, S]
+    band = (kj <= qi) & (qi - kj < window)  # [T, S]
+    if mask is None:
+        return torch.zeros(q_len, k_len, dtype=dtype, device=device).masked_fill(~band, torch.finfo(dtype).min)[None, None]
+    mask = mask[..., :k_len]
+    return mask & band if mask.dtype == torch.bool else mask.masked_fill(~band, torch.finfo(mask.dtype).min)
+
+
+# ---------------------------------------------------------------- the per-layer module
+
+
+class TitansMemory(nn.Module):
+    """One layer's long-term memory and its Memory-as-Gate mix with the windowed attention output."""
+
+    def __init__(self, hidden: int, heads: int, value_dim: int, memory_dim: int, depth: int, window: int,
+                 chunk: int, layer_idx: int, anneal_fraction: float = 0.25):
+        super().__init__()
+        self.heads, self.memory_dim, self.window, self.chunk = heads, memory_dim, window, chunk
+        gen = torch.Generator().manual_seed(2000 + layer_idx)
+        normal = lambda *shape, std: torch.randn(*shape, generator=gen) * std
+        self.q_proj = nn.Linear(hidden, heads * memory_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, heads * memory_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, heads * memory_dim, bias=False)
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            proj.weight.data.copy_(normal(heads * memory_dim, hidden, std=hidden ** -0.5))
+        self.gates = nn.Linear(hidden, 3 * heads)  # eta, alpha, theta per head
+        self.gates.weight.data.copy_(normal(3 * heads, hidden, std=0.02))
+        self.gates.bias.data.copy_(torch.tensor([ETA_BIAS, ALPHA_BIAS, THETA_BIAS]).repeat_interleave(heads))
+        self.mix = nn.Linear(hidden, heads)  # the MAG gate g_h(x)
+        nn.init.zeros_(self.mix.weight)
+        nn.init.constant_(self.mix.bias, MIX_BIAS)
+        # the memory's weights before any token (learned), per head [H, M_in, M_out]
+        self.initial = nn.ParameterList([nn.Parameter(normal(heads, memory_dim, memory_dim, std=memory_dim ** -0.5))
+                                         for _ in range(depth)])
+        eye = torch.eye(memory_dim, value_dim) if memory_dim == value_dim else normal(memory_dim, value_dim, std=memory_dim ** -0.5)
+        self.out = nn.Parameter(eye.expand(heads, -1, -1).clone())  # memory -> head value space [H, M, d_v]
+        self.register_buffer("ramp", torch.zeros(1))
+        self.register_buffer("anneal_fraction", torch.tensor([float(anneal_fraction)]))
+
+    def attnkit_set_step(self, step: int, total_steps: int) -> None:
+        self.ramp.fill_(anneal_ramp(step, total_steps, float(self.anneal_fraction)))
+
+    def initial_state(self, batch: int) -> MemoryState:
+        weights = [w.float().unsqueeze(0).expand(batch, -1, -1, -1) for w in self.initial]
+        return MemoryState(weights, [torch.zeros_like(w) for w in weights])
+
+    def _heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return proj(x).view(*x.shape[:-1], self.heads, self.memory_dim).transpose(1, 2).float()  # [B, T, H·M] -> [B, H, T, M]
+
+    def tokens(self, x: torch.Tensor, valid: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """What each token writes (PENDING fields, [B, H, T, ...], fp32); padding writes nothing."""
+        z = self.gates(x).float().transpose(1, 2).view(x.shape[0], 3, self.heads, x.shape[1])  # [B, 3, H, T]
+        out = {"k": F.normalize(self._heads(self.k_proj, x), dim=-1), "v": self._heads(self.v_proj, x),
+               "log_eta": F.logsigmoid(z[:, 0]), "log_keep": F.logsigmoid(-z[:, 1]),
+               "theta": torch.sigmoid(z[:, 2]) / self.chunk}
+        if valid is not None:  # padding: eta = 1, alpha = 0, theta = 0 -> the state passes through
+            keep = valid[:, None, :].to(z.device)  # [B, 1, T]
+            for name in ("log_eta", "log_keep", "theta"):
+                out[name] = out[name] * keep
+        return out
+
+    def forward(self, x: torch.Tensor, attn_out: torch.Tensor, valid: torch.Tensor | None,
+                state: MemoryState | None) -> tuple[torch.Tensor, MemoryState]:
+        """x [B, T, D] (the attention's input), attn_out [B, T, H, d_v] -> (mixed output, new state)."""
+        if state is None:
+            state = self.initial_state(x.shape[0])
+        q = F.normalize(self._heads(self.q_proj, x), dim=-1)
+        read, state = memory_read_write(state, q, self.tokens(x, valid), self.chunk)  # [B, H, T, M]
+        mem = (read @ self.out.float()).transpose(1, 2).to(attn_out.dtype)  # [B, H, T, d_v] -> [B, T, H, d_v]
+        gate = (self.ramp * torch.sigmoid(self.mix(x).float())).to(attn_out.dtype).unsqueeze(-1)  # [B, T, H, 1]
+        # a closed gate gives the attention output itself, whatever the memory holds
+        return torch.where(gate == 0, attn_out, attn_out + gate * (mem - attn_out)), state
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, memory_dim={self.memory_dim}, depth={len(self.initial)}, window={self.window}, chunk={self.chunk}"
+
+
+# ---------------------------------------------------------------- the bounded cache
+
+
+class TitansCacheLayer(DynamicSlidingWindowLayer):
+    """The last W - 1 keys/values (transformers' sliding-window layer) plus the layer's memory state."""
+
+    def __init__(self, sliding_window: int, **kwargs):
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self.memory: MemoryState | None = None
+
+    def stored_bytes(self) -> int:
+        tensors = [t for t in (self.keys, self.values) if isinstance(t, torch.Tensor)]
+        tensors += self.memory.tensors() if self.memory is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def reset(self) -> None:
+        super().reset()
+        self.memory = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.memory is not None:
+            self.memory = self.memory.map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.memory is not None:
+            self.memory = self.memory.map(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a Titans cache cannot be cropped: the memory has already read those tokens")
+
+
+class TitansCache(DynamicCache):
+    """A DynamicCache of `TitansCacheLayer`s, one per decoder layer; its size is bounded by W and C."""
+
+    def __init__(self, config) -> None:
+        window = int(config.attnkit["window"])
+        Cache.__init__(self, layers=[TitansCacheLayer(window) for _ in range(config.num_hidden_layers)])
+
+
+def titans_cache_layer(cache, layer_idx: int) -> TitansCacheLayer | None:
+    """The layer of a Titans cache (None without a cache); any other non-empty cache is refused."""
+    if cache is None:
+        return None
+    layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+    if not isinstance(layer, TitansCacheLayer):
+        raise ValueError(f"a Titans model needs a TitansCache, got {type(cache).__name__} "
+                         f"(pass no cache, or TitansCache(model.config))")
+    return layer
+
+
+def with_titans_cache(config, kwargs: dict) -> dict:
+    """forward's kwargs with a fresh TitansCache where transformers would use (or passed) an empty
+    default cache, so that `generate` and `use_cache=True` keep the bounded state."""
+    use_cache = kwargs.get("use_cache")
+    if not (config.use_cache if use_cache is None else use_cache):
+        return kwargs
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is None or (not isinstance(cache, TitansCache) and cache.get_seq_length() == 0):
+        kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"}
+        kwargs["cache"] = TitansCache(config)
+    return kwargs
