@@ -47,7 +47,7 @@ def _add_convert(sub) -> None:
         epilog="example:\n  attnkit convert --to mla reference -o out/ref-mla --kv-lora-rank 28 --rope-dim 48\n"
         "  attnkit convert --to dex reference -o out/ref-dex --heads auto",
     )
-    p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex"], help="target attention")
+    p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex", "titans"], help="target attention")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
@@ -87,6 +87,12 @@ def _add_convert(sub) -> None:
     mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, --rope-dim) split is chosen by measuring candidate conversions on held-out text")
     mla.add_argument("--refit-query", action=argparse.BooleanOptionalAction, default=True, help="least-squares refit of the NoPE query to the source's RoPE'd scores (report stage 'refit'; default on, measured better)")
     mla.add_argument("--refit-weights", choices=["attention", "uniform"], default="attention", help="distances the refit averages RoPE over: the source's attention mass, or uniform over causal pairs")
+    titans = p.add_argument_group("Titans (--to titans): window attention + neural long-term memory, Memory as Gate")
+    titans.add_argument("--window", type=int, default=128, metavar="W", help="tokens the attention still sees (default 128)")
+    titans.add_argument("--chunk", type=int, default=16, metavar="C", help="tokens the memory reads per update, <= W (default 16)")
+    titans.add_argument("--memory-depth", type=int, default=2, metavar="N", help="layers of the memory MLP (default 2)")
+    titans.add_argument("--memory-dim", type=int, default=None, metavar="M", help="memory key/value size per head (default: head_dim)")
+    titans.add_argument("--variant", choices=["mag"], default="mag", help="how memory and attention combine: mag = Memory as Gate")
     dex = p.add_argument_group("DEX (--to dex)")
     dex.add_argument("--heads", default="auto", help="auto | all | FRACTION in (0, 1]: heads that get the differential op")
     dex.add_argument("--heads-fraction", type=float, default=0.5, help="fraction of heads per layer that `auto` selects")

@@ -110,7 +110,7 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
         "load": {**(prior or {}).get("load", {}), "trust_remote_code": True},
         "calibration": {"rows": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "source": args.calib},
         "anneal_fraction": ANNEAL_FRACTION,
-        "lambda_init": fields["lambda_init"],
+        **({"lambda_init": fields["lambda_init"]} if "lambda_init" in fields else {}),  # DEX/DIFF
         "output_dtype": str(out_dtype).replace("torch.", ""),
         **extras,
     }

@@ -11,6 +11,7 @@ PIPELINES = {
     "dex": "attnkit.converters.dex.convert:convert_dex",
     "diff": "attnkit.converters.diff.convert:convert_diff",
     "mla+dex": "attnkit.converters.dex.convert:convert_mla_dex",
+    "titans": "attnkit.converters.titans.convert:convert_titans",
 }
 
 
