@@ -99,3 +99,17 @@ def test_unsupported_family_and_a_converted_model_are_refused(tmp_path, capsys, 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
         assert not (tmp_path / "out").exists() and tree_digest(source) == before
+
+
+def test_bench_reports_a_state_that_stops_growing_at_the_window(tmp_path, calib, llama_src):
+    from attnkit.cli import main
+
+    out = tmp_path / "out"
+    assert convert_cli("titans", llama_src, out, calib, "--window", "8", "--chunk", "4") == 0
+    assert main(["bench", str(out), "--baseline", str(llama_src), "--context", "4,8,16,32,64", "--decode-tokens", "2",
+                 "--repeats", "1", "--device", "cpu", "--out", str(tmp_path / "bench.json")]) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    titans = {r["context"]: r["kv_cache_bytes"] for r in result["models"]["model"]["results"]}
+    source = {r["context"]: r["kv_cache_bytes"] for r in result["models"]["baseline"]["results"]}
+    assert titans[4] < titans[8] == titans[16] == titans[32] == titans[64]
+    assert source[64] == 8 * source[8]  # the source's grows with every token
