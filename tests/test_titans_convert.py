@@ -36,6 +36,8 @@ def test_converted_model_is_the_source_with_the_gate_closed(tmp_path, calib, fam
     assert (titans["window"], titans["chunk"], titans["memory_depth"], titans["variant"]) == (64, 8, 2, "mag")
     assert titans["memory_qkv_init"].startswith("the layer's") == (family != "deepseek_v3")
     assert len(set(titans["state_bytes"]["bytes"])) == 1  # 1, 2 and 4 windows: the same state
+    kv = report["kv_cache_bytes_per_token"]
+    assert kv["after"] == kv["before"]  # below W a token adds the source's keys/values, nothing else
     ids = torch.randint(0, 300, (2, 40))
     source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -44,9 +46,12 @@ def test_converted_model_is_the_source_with_the_gate_closed(tmp_path, calib, fam
         torch.testing.assert_close(converted(input_ids=ids).logits, source(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
 
 
-def test_memory_starts_from_the_layers_projections(tmp_path, calib, llama_src):
+def test_memory_starts_from_the_layers_projections(tmp_path, capsys, calib, llama_src):
     out = tmp_path / "out"
     assert convert_cli("titans", llama_src, out, calib, "--window", "32", "--chunk", "4") == 0
+    state = json.loads((out / "attnkit_report.json").read_text())["titans"]["state_bytes"]
+    assert f"Titans: window 32, chunk 4, memory depth 2 x dim 8; whole cache after a forward pass (fp32): " \
+           f"{state['bytes'][0]:,} B at 32" in capsys.readouterr().out
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     attn = model.model.layers[1].self_attn
     heads, d = model.config.num_attention_heads, model.config.head_dim

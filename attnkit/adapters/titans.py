@@ -22,8 +22,8 @@ value space. `ramp` starts at 0 (the converted model is the source with a window
 the fine-tune schedule like DEX/DIFF's lambda (`attnkit_set_step`).
 
 State kept while generating (`TitansCacheLayer`, a transformers `DynamicSlidingWindowLayer`): the
-last W - 1 keys/values, the memory weights and momentum at the last chunk boundary, and the < C
-tokens read since (their memory keys, values and gate values). Its size does not grow with context.
+last W - 1 keys/values, the memory weights and momentum at the last chunk boundary, and C slots for
+the tokens read since (their memory keys, values and gate values). Its size does not grow past W.
 
 This file is copied next to converted checkpoints (trust_remote_code): it imports only torch and transformers.
 """
@@ -249,30 +249,58 @@ class TitansMemory(nn.Module):
 
 
 class TitansCacheLayer(DynamicSlidingWindowLayer):
-    """The last W - 1 keys/values (transformers' sliding-window layer) plus the layer's memory state."""
+    """The last W - 1 keys/values (transformers' sliding-window layer) plus the layer's memory state.
 
-    def __init__(self, sliding_window: int, **kwargs):
+    The tokens read since the last chunk boundary sit in buffers of C slots allocated at the first
+    write, so the state's size is the window's keys/values plus a constant: per token it grows by
+    exactly the source's KV bytes until W, then not at all."""
+
+    def __init__(self, sliding_window: int, chunk: int = 1, **kwargs):
         super().__init__(sliding_window=sliding_window, **kwargs)
-        self.memory: MemoryState | None = None
+        self.chunk = chunk
+        self._memory: MemoryState | None = None
+        self._slots: dict[str, torch.Tensor] = {}  # PENDING fields, [B, H, C, ...]
+        self._filled = 0
+
+    @property
+    def memory(self) -> MemoryState | None:
+        if self._memory is None:
+            return None
+        pending = {k: t[:, :, :self._filled] for k, t in self._slots.items()} if self._filled else {}
+        return MemoryState(self._memory.weights, self._memory.momentum, pending)
+
+    @memory.setter
+    def memory(self, state: MemoryState | None) -> None:
+        self._memory = None if state is None else MemoryState(state.weights, state.momentum)
+        pending = {} if state is None else state.pending
+        self._filled = pending["k"].shape[2] if pending else 0
+        for name, t in pending.items():
+            slots = self._slots.get(name)
+            if slots is None or slots.shape[0] != t.shape[0]:
+                slots = self._slots[name] = t.new_zeros(*t.shape[:2], self.chunk, *t.shape[3:])
+            slots[:, :, :self._filled] = t
 
     def stored_bytes(self) -> int:
         tensors = [t for t in (self.keys, self.values) if isinstance(t, torch.Tensor)]
-        tensors += self.memory.tensors() if self.memory is not None else []
+        tensors += (self._memory.tensors() if self._memory is not None else []) + list(self._slots.values())
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def reset(self) -> None:
         super().reset()
         self.memory = None
 
+    def _map_batch(self, fn) -> None:
+        if self._memory is not None:
+            self._memory = self._memory.map(fn)
+        self._slots = {k: fn(t) for k, t in self._slots.items()}
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.memory is not None:
-            self.memory = self.memory.map(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self.memory is not None:
-            self.memory = self.memory.map(lambda t: t[indices])
+        self._map_batch(lambda t: t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("a Titans cache cannot be cropped: the memory has already read those tokens")
@@ -282,8 +310,8 @@ class TitansCache(DynamicCache):
     """A DynamicCache of `TitansCacheLayer`s, one per decoder layer; its size is bounded by W and C."""
 
     def __init__(self, config) -> None:
-        window = int(config.attnkit["window"])
-        Cache.__init__(self, layers=[TitansCacheLayer(window) for _ in range(config.num_hidden_layers)])
+        window, chunk = int(config.attnkit["window"]), int(config.attnkit["chunk"])
+        Cache.__init__(self, layers=[TitansCacheLayer(window, chunk) for _ in range(config.num_hidden_layers)])
 
 
 def titans_cache_layer(cache, layer_idx: int) -> TitansCacheLayer | None:

@@ -254,4 +254,9 @@ def _summary(report: dict, out: str) -> str:
     if "heads" in report:
         sel = report["heads"]["selected"]
         lines.append(f"  DEX heads per layer: {[len(s) for s in sel]} of {report['heads']['num_heads']} ({report['heads']['rule']})")
+    if "titans" in report:
+        t = report["titans"]
+        state = ", ".join(f"{b:,} B at {n}" for n, b in zip(t["state_bytes"]["contexts"], t["state_bytes"]["bytes"]))
+        lines.append(f"  Titans: window {t['window']}, chunk {t['chunk']}, memory depth {t['memory_depth']} x dim "
+                     f"{t['memory_dim']}; whole cache after a forward pass (fp32): {state} tokens")
     return "\n".join(lines)
