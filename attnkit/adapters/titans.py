@@ -274,11 +274,13 @@ class TitansCacheLayer(DynamicSlidingWindowLayer):
         self._memory = None if state is None else MemoryState(state.weights, state.momentum)
         pending = {} if state is None else state.pending
         self._filled = pending["k"].shape[2] if pending else 0
+        if state is not None and (not self._slots or self._slots["k"].shape[0] != state.weights[0].shape[0]):
+            first, last = state.weights[0], state.weights[-1]  # [B, H, M, ·], [B, H, ·, M]
+            vector = {"k": first.shape[-2], "v": last.shape[-1]}
+            self._slots = {name: first.new_zeros(*first.shape[:2], self.chunk, *([vector[name]] if name in vector else []))
+                           for name in PENDING}
         for name, t in pending.items():
-            slots = self._slots.get(name)
-            if slots is None or slots.shape[0] != t.shape[0]:
-                slots = self._slots[name] = t.new_zeros(*t.shape[:2], self.chunk, *t.shape[3:])
-            slots[:, :, :self._filled] = t
+            self._slots[name][:, :, :self._filled] = t
 
     def stored_bytes(self) -> int:
         tensors = [t for t in (self.keys, self.values) if isinstance(t, torch.Tensor)]
