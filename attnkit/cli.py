@@ -42,12 +42,13 @@ def _int_list(text: str) -> list[int]:
 def _add_convert(sub) -> None:
     p = sub.add_parser(
         "convert",
-        help="rewrite a checkpoint's attention (MLA, DEX, DIFF)",
+        help="rewrite a checkpoint's attention (MLA, DEX, DIFF, fewer KV heads)",
         description="Rewrite the attention of MODEL and write a new checkpoint into OUT (atomically).",
         epilog="example:\n  attnkit convert --to mla reference -o out/ref-mla --kv-lora-rank 28 --rope-dim 48\n"
-        "  attnkit convert --to dex reference -o out/ref-dex --heads auto",
+        "  attnkit convert --to dex reference -o out/ref-dex --heads auto\n"
+        "  attnkit convert --to gqa reference -o out/ref-mqa --kv-heads 1",
     )
-    p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex", "titans"], help="target attention")
+    p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex", "titans", "gqa"], help="target attention")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
@@ -93,6 +94,10 @@ def _add_convert(sub) -> None:
     titans.add_argument("--memory-depth", type=int, default=2, metavar="N", help="layers of the memory MLP (default 2)")
     titans.add_argument("--memory-dim", type=int, default=None, metavar="M", help="memory key/value size per head (default: head_dim)")
     titans.add_argument("--variant", choices=["mag"], default="mag", help="how memory and attention combine: mag = Memory as Gate")
+    gqa = p.add_argument_group("GQA (--to gqa)")
+    gqa.add_argument("--kv-heads", type=int, default=None, metavar="N", help="KV heads per layer of the output (divides the source's)")
+    gqa.add_argument("--merge", choices=["aligned", "mean"], default="aligned", help="aligned: Procrustes-aligned heads, "
+                     "similarity groups, weighted merge, o_proj refit; mean: contiguous groups, plain mean")
     dex = p.add_argument_group("DEX (--to dex)")
     dex.add_argument("--heads", default="auto", help="auto | all | FRACTION in (0, 1]: heads that get the differential op")
     dex.add_argument("--heads-fraction", type=float, default=0.5, help="fraction of heads per layer that `auto` selects")

@@ -199,7 +199,8 @@ def _refused(argv: list[str], src: Path, out: Path, capsys, words: list[str]) ->
 
 CASES = ([("mla", kind, defect) for kind in FAMILIES for defect in DEFECTS]
          + [(to, kind, defect) for to in ("dex", "diff") for kind in RETROFIT for defect in DEFECTS]
-         + [("mla+dex", kind, defect) for kind in FAMILIES for defect in ("vocab_size", "missing_layer")])
+         + [("mla+dex", kind, defect) for kind in FAMILIES for defect in ("vocab_size", "missing_layer")]
+         + [("gqa", kind, defect) for kind in FAMILIES for defect in DEFECTS])
 
 
 @pytest.mark.parametrize("to, kind, defect", CASES)
@@ -207,7 +208,8 @@ def test_convert_refuses_weights_its_config_contradicts(sources, calib, tmp_path
     src = _bad_copy(sources, kind, defect, tmp_path)
     out = tmp_path / "out"
     words = DEFECTS[defect][1] if kind != "phi3" or defect != "kv_heads" else ["qkv_proj", "num_key_value_heads=1"]
-    _refused(["convert", "--to", to, str(src), "-o", str(out), "--calib", str(calib), *FAST], src, out, capsys, words)
+    gqa = ["--kv-heads", "1"] if to == "gqa" else []
+    _refused(["convert", "--to", to, str(src), "-o", str(out), "--calib", str(calib), *FAST, *gqa], src, out, capsys, words)
 
 
 def test_a_deepseek_v3_source_is_checked_too(tmp_path, calib, capsys):

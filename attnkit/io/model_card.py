@@ -43,6 +43,7 @@ _METHOD_TITLES = {
     "dex": "DEX differential extension",
     "diff": "DIFF differential attention retrofit",
     "mla+dex": "MLA + DEX differential extension",
+    "gqa": "grouped-query attention with fewer KV heads (same architecture)",
 }
 
 

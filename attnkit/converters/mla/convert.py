@@ -52,7 +52,7 @@ COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
-def _return_freed_memory(trim: bool = False, mmap_threshold: int = 1 << 20) -> None:
+def return_freed_memory(trim: bool = False, mmap_threshold: int = 1 << 20) -> None:
     """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap);
     `trim` also hands back the free pages inside the heap (what tokenising the calibration text
     and a layer's small tensors leave behind). A higher `mmap_threshold` serves mid-sized
@@ -83,7 +83,7 @@ class Plan:
 
 def convert(args: argparse.Namespace) -> int:
     started = time.time()
-    _return_freed_memory()
+    return_freed_memory()
     src = open_source(args.model)
     check_output_dir(args.out, args.force, (src.path,))
     s = resolve_settings(args, src.shape, src.ckpt)
@@ -124,7 +124,7 @@ def plan(src: Source, s: Settings, scratch: Path) -> Plan:
     scores, budget = None, None
     if s.kv_budget is not None:  # measured choice of (kv_lora_rank, rope_dim); sets them in s
         budget, scores = choose_split(src, s, calib, tokenizer, held_out.shape[0], scratch)
-    _return_freed_memory(trim=True)
+    return_freed_memory(trim=True)
     if scores is None and s.rope_frequencies != "geometric":
         scores = rope_score_pass(src, s, calib, scratch)
     counts = mla.slot_counts(scores, s.rope_dim) if s.rope_frequencies == "exact" else None
@@ -194,7 +194,7 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     per_layer = []
     for layer in tqdm(range(src.config["num_hidden_layers"]), desc="convert --to mla", unit="layer"):
         per_layer.append(_convert_layer(src, s, t, layer, h_cal, streams, attn_err))
-        _return_freed_memory(trim=True)
+        return_freed_memory(trim=True)
     h_cal.close()
     embed_name = fam.embed + ".weight"
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
@@ -213,7 +213,7 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     targets = p.held_out[:, 1:].reshape(-1).to(dev)
     # the logits comparison allocates and frees ~16 MB temporaries thousands of times and nothing
     # layer-sized comes after it: from the heap, not fresh mappings (half its time on the reference)
-    _return_freed_memory(trim=True, mmap_threshold=1 << 20)
+    return_freed_memory(trim=True, mmap_threshold=1 << 20)
     src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
                                       lambda: head_chunks(src.ckpt, head_name, dev))
     report = build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
@@ -249,7 +249,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     source_attn = lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=None)[0]  # noqa: E731
     layer_errs, engine_info = {}, {}
     with torch.no_grad():
-        ref = _SourceAttention.of(source_attn, norm1, streams["source"], dev)
+        ref = SourceAttention.of(source_attn, norm1, streams["source"], dev)
         for k in [k for k in REFIT_STAGES if k in streams]:  # the stages this run measures, in order
             if k == "low-rank":
                 low_p = mla.build_stage(aw, rope_plan, shape, mom, beta=beta, metrics=metrics, rank=s.data_rank,
@@ -277,7 +277,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                 attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=None)[0]  # noqa: E731
             else:
                 attend = builders[k]()[0]
-            layer_errs[k] = _measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev)
+            layer_errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev)
             del attend
         del native, aw, mom, stat, metrics, builders
         for lo, _, y in ref.blocks(dev):
@@ -296,7 +296,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
 
 
 @dataclass
-class _SourceAttention:
+class SourceAttention:
     """The source attention's inputs (normed) and outputs on the held-out rows of one layer, computed
     once and compared with every stage; kept in scratch files beside the source stream."""
 
@@ -304,7 +304,7 @@ class _SourceAttention:
     outputs: RowStore
 
     @classmethod
-    def of(cls, source_attn, norm1, source: RowStore, dev: str) -> "_SourceAttention":
+    def of(cls, source_attn, norm1, source: RowStore, dev: str) -> "SourceAttention":
         ref = cls(*(RowStore(source.path.with_name(f"source-{k}.f32"), source.rows, source.row_shape) for k in ("in", "out")))
         for lo, h in source.blocks(ROW_BATCH):
             x = norm1(h.to(dev))
@@ -321,7 +321,7 @@ class _SourceAttention:
         self.inputs.close(), self.outputs.close()
 
 
-def _measure_stage(attend, ref: _SourceAttention, norm1, stream: RowStore, stat: ErrorStat, dev: str) -> float:
+def measure_stage(attend, ref: SourceAttention, norm1, stream: RowStore, stat: ErrorStat, dev: str) -> float:
     """A stage's attention error on the source's inputs; its own stream gets its attention residual
     (the MLP half of the layer follows for every stream together)."""
     errs = []

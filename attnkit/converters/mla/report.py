@@ -68,14 +68,19 @@ def _needs(s) -> str:
     return "transformers >= 5 only (attention biases)"
 
 
-def format_report(report: dict) -> str:
+def format_steps(report: dict) -> list[str]:
+    """The per-step table and the KV line (shared by every streaming converter's printout)."""
     cols = ["attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
     head = f"{'step':<10}{'exact':<7}" + "".join(f"{c.replace('_rel_err', ''):>14}" for c in cols)
     lines = [head, "-" * len(head)]
     for st in report["steps"]:
         lines.append(f"{st['name']:<10}{str(st['exact']):<7}" + "".join(f"{st[c]:>14.3e}" for c in cols))
-    kv = report["kv_cache_bytes_per_token"]
-    lines.append(kv_change(kv))
+    lines.append(kv_change(report["kv_cache_bytes_per_token"]))
+    return lines
+
+
+def format_report(report: dict) -> str:
+    lines = format_steps(report)
     lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
                  f"(RoPE frequencies: {report['load']['rope_frequencies']})")
     if report.get("serving"):

@@ -42,11 +42,12 @@ class Source:
 
 
 
-def open_source(model: str) -> Source:
-    """Resolve MODEL, refuse what MLA cannot express (`describe`), read its config; no weights are loaded."""
+def open_source(model: str, check=describe) -> Source:
+    """Resolve MODEL, refuse what the target cannot express (`check`: MLA's `describe` by default),
+    read its config; no weights are loaded."""
     path = resolve_model(model)
     config = check_causal_lm(path)
-    family = describe(config)
+    family = check(config)
     ckpt = check_weights(path, config)  # every tensor's shape against the config, from the headers
     hf_config = AutoConfig.from_pretrained(path)
     hf_config._attn_implementation = "sdpa"
