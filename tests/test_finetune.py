@@ -69,8 +69,8 @@ def test_shipped_recipes_parse():
 
     folder = Path(__file__).resolve().parent.parent / "recipes"
     names = {p.name for p in folder.glob("*.yaml")}
-    assert {"heal-mla.yaml", "heal-dex.yaml", "heal-diff.yaml", "lora-mla.yaml"} <= names
-    for name in ("heal-mla.yaml", "heal-dex.yaml", "heal-diff.yaml", "lora-mla.yaml"):
+    assert {"heal-mla.yaml", "heal-dex.yaml", "heal-diff.yaml", "lora-mla.yaml", "heal-gqa.yaml"} <= names
+    for name in ("heal-mla.yaml", "heal-dex.yaml", "heal-diff.yaml", "lora-mla.yaml", "heal-gqa.yaml"):
         load_finetune_recipe(folder / name)
 
 

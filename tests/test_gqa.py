@@ -284,3 +284,31 @@ def test_a_sliding_window_shorter_than_the_rows_is_refused_and_a_longer_one_kept
     assert _convert(long, out, calib, "--kv-heads", "1") == 0
     assert json.loads((out / "config.json").read_text())["sliding_window"] == 64
     assert json.loads((out / "attnkit_report.json").read_text())["target"]["sliding_window"] == 64
+
+
+# ---------------------------------------------------------------- healing with the shipped recipe
+
+
+def test_heal_gqa_recipe_runs_end_to_end_and_trains_only_the_attention(sources, calib, tmp_path):
+    from attnkit.recipes.finetune import run
+    from attnkit.recipes.recipe import load_finetune_recipe
+
+    student = tmp_path / "mqa"
+    assert _convert(sources["qwen2"], student, calib, "--kv-heads", "1") == 0
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "heal-gqa.yaml"
+    out = tmp_path / "healed"
+    overrides = [f"model={student}", f"output_dir={out}", f"data.source={calib}", "data.seq_len=16",
+                 "data.tokens=384", "data.val_tokens=64", "train.per_device_batch_size=4", "train.warmup_steps=1",
+                 "train.lr=1e-2", "train.mixed_precision='no'", "eval.every=3", "eval.tasks=null", "checkpoint.every=100"]
+    report = run(load_finetune_recipe(recipe, overrides))
+    assert report["steps"] == 6
+    before, after = _all(student), _all(out)
+    changed = {k for k in after if not torch.equal(before[k], after[k])}
+    assert changed and all(".self_attn." in k for k in changed)
+    assert {k.rsplit(".", 2)[-2] for k in changed} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    saved = json.loads((out / "finetune_report.json").read_text())
+    assert saved["trainable"].startswith("attention: ")
+    assert saved["teacher"] == str(sources["qwen2"])
+    assert saved["eval_after"]["validation"]["loss"] < saved["eval_before"]["validation"]["loss"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_key_value_heads == 1
