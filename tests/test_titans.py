@@ -12,6 +12,7 @@ from test_dex_models import FAMILIES, tiny_config
 from transformers import AutoModelForCausalLM
 
 from attnkit.adapters.titans import (
+    SURPRISE_CLIP,
     MemoryState,
     TitansCache,
     TitansCacheLayer,
@@ -31,7 +32,8 @@ def _loss(weights, k, v):
 
 def _token_by_token(state: MemoryState, q, tokens, chunk: int, start: int = 0):
     """The Titans recurrence one token at a time (gradients by autograd at the chunk's first weights):
-    S_t = eta_t S_{t-1} - theta_t grad l_t(M_chunk start), M_t = (1 - alpha_t) M_{t-1} + S_t."""
+    S_t = eta_t S_{t-1} - theta_t clip(grad l_t(M_chunk start)), M_t = (1 - alpha_t) M_{t-1} + S_t,
+    clip: each weight's gradient scaled to Frobenius norm <= SURPRISE_CLIP."""
     weights, momentum = list(state.weights), list(state.momentum)
     anchor, reads = list(weights), []
     for t in range(q.shape[2]):
@@ -47,6 +49,7 @@ def _token_by_token(state: MemoryState, q, tokens, chunk: int, start: int = 0):
         eta = tokens["log_eta"][:, :, t].exp()[..., None, None]
         keep = tokens["log_keep"][:, :, t].exp()[..., None, None]
         theta = tokens["theta"][:, :, t][..., None, None]
+        grads = [g * (SURPRISE_CLIP / g.norm(dim=(-2, -1), keepdim=True)).clamp(max=1.0) for g in grads]  # per token
         momentum = [eta * s - theta * g for s, g in zip(momentum, grads)]
         weights = [keep * w + s for w, s in zip(weights, momentum)]
     return (torch.cat(reads, dim=2) if reads else None), weights, momentum
@@ -97,13 +100,19 @@ def test_reading_in_pieces_equals_reading_at_once(chunk, length, split, seed):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_memory_grads_are_the_weighted_sum_of_autograd_gradients():
+def test_memory_grads_are_the_weighted_sum_of_clipped_autograd_gradients():
     state, _, tokens = _random_inputs(1, 1, 4, 3, 6, seed=3)
     coef = torch.rand(1, 1, 6, dtype=torch.float64)
     (got,) = memory_grads(state.weights, tokens["k"], tokens["v"], [coef])
-    params = [w.clone().requires_grad_(True) for w in state.weights]
-    per_token = (memory_apply(params, tokens["k"])[0] - tokens["v"]).pow(2).sum(-1)  # [1, 1, 6]
-    want = torch.autograd.grad((per_token * coef).sum(), params)
+    want = [torch.zeros_like(w) for w in state.weights]
+    clipped = 0
+    for t in range(6):
+        params = [w.clone().requires_grad_(True) for w in state.weights]
+        loss = (memory_apply(params, tokens["k"][:, :, t:t + 1])[0] - tokens["v"][:, :, t:t + 1]).pow(2).sum()
+        for acc, g in zip(want, torch.autograd.grad(loss, params)):
+            clipped += int(g.norm() > SURPRISE_CLIP)
+            acc += coef[0, 0, t] * g * min(1.0, SURPRISE_CLIP / float(g.norm()))
+    assert clipped > 0  # the clip is exercised
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 

@@ -5,7 +5,7 @@ a per-head MLP M whose weights are per-sequence state, written while reading. Fo
 memory keys/queries L2-normalised):
 
     loss    l_t(M) = ||M(k_t) - v_t||^2                        (associative memory)
-    S_t     = eta_t * S_{t-1} - theta_t * grad l_t(M_0)         (surprise with momentum)
+    S_t     = eta_t * S_{t-1} - theta_t * clip(grad l_t(M_0))   (surprise with momentum; clip: norm <= 1)
     M_t     = (1 - alpha_t) * M_{t-1} + S_t                     (forgetting = weight decay)
 
 eta (momentum), alpha (forgetting) and theta (step) are per-token, per-head sigmoids of linear maps
@@ -42,6 +42,10 @@ from .dex import anneal_ramp
 # gate biases at conversion: momentum eta ~ 0.88, forgetting alpha ~ 0.007, step theta ~ 0.12 / C,
 # MAG gate g ~ 0.12 once the ramp is open (the memory starts as a small correction)
 ETA_BIAS, ALPHA_BIAS, THETA_BIAS, MIX_BIAS = 2.0, -5.0, -2.0, -2.0
+# a token's surprise (its gradient of one weight matrix) is scaled to Frobenius norm <= this, so the
+# state stays bounded: |M| <= (C * theta_max / (1 - eta)) / alpha. Measured: without it the reference's
+# depth-2 memory overflowed to NaN within 7 chunks of 16 tokens (weights x10 per chunk from the 3rd on).
+SURPRISE_CLIP = 1.0
 PENDING = ("k", "v", "log_keep", "log_eta", "theta")  # what a token waiting for its chunk's end keeps
 
 
@@ -66,17 +70,21 @@ def memory_apply(weights: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Te
 
 def memory_grads(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  coefs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """For each coefficient set c [B, H, N]: sum_t c_t * grad_W l_t(W) per weight, l_t = ||M(k_t) - v_t||^2.
+    """For each coefficient set c [B, H, N]: sum_t c_t * clip(grad_W l_t(W)) per weight, l_t = ||M(k_t) - v_t||^2,
+    each token's gradient of each weight scaled to Frobenius norm <= 1 (`SURPRISE_CLIP`).
 
-    Written out (not autograd) so the per-token gradients are never materialised: sum_t c_t a_t^T d_t
-    is one matmul (a_t: a layer's input, d_t: the loss gradient at its output)."""
+    Written out (not autograd) so the per-token gradients are never materialised: a token's gradient
+    of a weight is the outer product a_t^T d_t (a_t: the layer's input, d_t: the loss gradient at its
+    output), its norm |a_t| |d_t|, and sum_t c_t a_t^T d_t is one matmul."""
     y, pre = memory_apply(weights, k)
     delta = 2 * (y - v)  # dl/dy [B, H, N, M]
     sums: list[list[torch.Tensor]] = [[None] * len(weights) for _ in coefs]
     for i in reversed(range(len(weights))):
         a = F.silu(pre[i]) if i > 0 else pre[i]  # the layer's input [B, H, N, M_in]
+        norm = a.norm(dim=-1) * delta.norm(dim=-1)  # [B, H, N]: |a_t^T d_t|_F
+        clip = (SURPRISE_CLIP / norm.clamp_min(1e-30)).clamp(max=1.0)
         for j, c in enumerate(coefs):
-            sums[j][i] = (a * c.unsqueeze(-1)).transpose(-1, -2) @ delta  # [B, H, M_in, M_out]
+            sums[j][i] = (a * (c * clip).unsqueeze(-1)).transpose(-1, -2) @ delta  # [B, H, M_in, M_out]
         if i > 0:
             delta = (delta @ weights[i].transpose(-1, -2)) * _silu_grad(pre[i])
     return sums
