@@ -12,7 +12,8 @@ STEP_INFO = {
     "align": "per KV head: a rotation (and scale) per RoPE frequency pair folded into the queries, an orthogonal "
     "map of the values folded into o_proj, fitted by generalised Procrustes within each group (exact)",
     "merge": "one KV head per group: keys averaged per RoPE pair weighted by the query energy, values by the "
-    "o_proj metric; query heads reordered so each group's are contiguous",
+    "o_proj metric; each query head's pairs refit by a complex factor to its source scores; query heads "
+    "reordered so each group's are contiguous",
     "refit": "o_proj refit by least squares on the calibration rows to the source attention's output (every "
     "head compensates the others' merge error); written in the output dtype",
 }
