@@ -1,11 +1,13 @@
-"""recipes/heal-titans.yaml end to end on a tiny converted model: only the memory modules train,
-the gate ramps open, the result reloads with its remote code and still decodes like its full forward."""
+"""recipes/heal-titans.yaml and lora-titans.yaml end to end on a tiny converted model: only the memory
+modules (and, with LoRA, the merged attention projections) train, the gate ramps open, the result
+reloads with its remote code and still decodes like its full forward."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from test_finetune_fixtures import tiny  # noqa: F401  (fixture)
@@ -15,10 +17,12 @@ from attnkit.cli import main as cli_main
 from attnkit.recipes.finetune import run
 from attnkit.recipes.recipe import load_finetune_recipe
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "heal-titans.yaml"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def test_heal_titans_trains_the_memory_and_opens_the_gate(tiny, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("recipe, also_changed", [("heal-titans.yaml", ()),
+                                                  ("lora-titans.yaml", ("q_proj", "k_proj", "v_proj", "o_proj"))])
+def test_heal_titans_trains_the_memory_and_opens_the_gate(tiny, tmp_path, recipe, also_changed):  # noqa: F811
     converted, out = tmp_path / "titans", tmp_path / "out"
     assert cli_main(["convert", "--to", "titans", str(tiny["llama"]), "-o", str(converted), "--window", "8",
                      "--chunk", "4", "--calib", str(tiny["corpus"]), "--calib-seq-len", "16", "--calib-tokens", "256"]) == 0
@@ -27,12 +31,13 @@ def test_heal_titans_trains_the_memory_and_opens_the_gate(tiny, tmp_path):  # no
         "data.tokens=768", "data.val_tokens=96", "train.per_device_batch_size=4", "eval.tasks=null",
         "checkpoint.every=0", "log.tensorboard=false", "train.lr=1e-2",
     ]
-    report = run(load_finetune_recipe(RECIPE, overrides))
+    report = run(load_finetune_recipe(RECIPES / recipe, overrides))
     assert report["teacher"] and report["load"] == {"trust_remote_code": True}
     assert (out / "titans.py").is_file() and "auto_map" in json.loads((out / "config.json").read_text())
     before, after = load_file(str(converted / "model.safetensors")), load_file(str(out / "model.safetensors"))
     changed = {k for k in after if not torch.equal(before[k], after[k])}
-    assert changed and all(".titans." in k for k in changed), changed
+    assert changed and all(".titans." in k or k.split(".")[-2] in also_changed for k in changed), changed
+    assert all(any(k.endswith(f"self_attn.{name}.weight") for k in changed) for name in also_changed)
     assert any(k.endswith("titans.mix.weight") for k in changed) and any(".initial." in k for k in changed)
     assert all(float(before[k]) == 0.0 for k in before if k.endswith("titans.ramp"))
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
