@@ -15,7 +15,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from attnkit.cli import main
 from attnkit.converters.mla import layer as mla
 from attnkit.converters.mla.engines import (KvbRefit, anchor_row, engine_attention_tensors, interleave,
-                                            ladder_stride, ladder_theta, normalised_latent)
+                                            ladder_stride, ladder_theta, latent_rows, norm_spread,
+                                            normalised_latent, steady_mix)
 from attnkit.converters.mla.native import deepseek_config
 from attnkit.converters.mla.rope import target_rope
 
@@ -97,7 +98,8 @@ def test_q_latent_of_rank_D_is_exact(D, H, seed):
                       lat_w=torch.randn(m, D, dtype=torch.float64), lat_b=None, pe_w=torch.randn(d_r, D, dtype=torch.float64),
                       pe_b=None, kvb_w=torch.randn(H, 2 * d, m, dtype=torch.float64), kvb_b=None,
                       o_w=torch.randn(D, H * d, dtype=torch.float64), o_b=None, inv_freq=torch.ones(1), scale=1.0)
-    t = engine_attention_tensors(p, shape, g, torch.randn(D, dtype=torch.float64), torch.randn(H, 2 * d, m + 1))
+    t = engine_attention_tensors(p, shape, g, latent_rows(p.lat_w, torch.randn(D, dtype=torch.float64)),
+                                 torch.randn(H, 2 * d, m + 1))
     q_a = xt @ t["q_a_proj.weight"].T
     q = (t["q_a_layernorm.weight"] * normalised_latent(q_a)) @ t["q_b_proj.weight"].T
     ref = torch.einsum("hed,btd->bthe", p.q_w, xt)
@@ -149,6 +151,33 @@ def test_anchor_is_the_steadiest_direction_at_its_ratio():
     assert all(cv <= float((x @ w).std() / (x @ w).mean().abs()) + 1e-9 for w in torch.randn(50, D, dtype=torch.float64))
     data = (x @ lat_w.T).pow(2).sum(1).mean().sqrt()
     assert abs(float(a.mean() / data) - 4.0) < 1e-6
+
+
+def test_steady_mix_makes_the_norm_steady_and_is_invertible():
+    """Latents whose norm varies a lot only because one channel is badly scaled: the mix finds the
+    scaling (the quadratic form that is constant), within the condition number it allows."""
+    torch.manual_seed(0)
+    N, r = 4000, 6
+    dirs = torch.randn(N, r, dtype=torch.float64)
+    steady = dirs / dirs.norm(dim=-1, keepdim=True)  # |.| = 1 for every token
+    A = torch.linalg.qr(torch.randn(r, r, dtype=torch.float64))[0] @ torch.diag(torch.linspace(1, 3, r, dtype=torch.float64))
+    z = steady @ A.T  # a fixed mix away from steady: |z| varies
+    T = steady_mix(z)
+    assert norm_spread(z) > 0.1
+    assert norm_spread(z @ T.T) < 0.02 * norm_spread(z)
+    sv = torch.linalg.svdvals(T)
+    assert abs(float(sv.max()) - 1) < 1e-9 and float(sv.max() / sv.min()) < 10
+
+
+def test_mixed_latent_rows_give_the_mixed_latent():
+    torch.manual_seed(2)
+    m, D = 4, 7
+    lat_w, anchor, T = (torch.randn(m, D, dtype=torch.float64), torch.randn(D, dtype=torch.float64),
+                        torch.randn(m + 1, m + 1, dtype=torch.float64))
+    x = torch.randn(9, D, dtype=torch.float64)
+    z = torch.cat([x @ lat_w.T, (x @ anchor)[:, None]], 1)
+    assert torch.allclose(x @ latent_rows(lat_w, anchor, T).T, z @ T.T, atol=1e-10)
+    assert torch.equal(latent_rows(lat_w, anchor), torch.cat([lat_w, anchor[None]]))
 
 
 @pytest.fixture(scope="module")

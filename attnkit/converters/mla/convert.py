@@ -31,7 +31,8 @@ from attnkit.converters.mla.candidates import choose_split, rope_score_pass
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
 from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
 from attnkit.converters.mla.engines import (ANCHOR_RATIOS, KvbRefit, anchor_row, engine_attention_tensors,
-                                            ladder_stride, normalised_latent, pad_value_heads)
+                                            ladder_stride, latent_rows, norm_spread, normalised_latent,
+                                            pad_value_heads, steady_mix)
 from attnkit.converters.mla.native import Target, constant_for, native_attention_tensors, target_for
 from attnkit.converters.mla.refit import REFIT_ROWS, refit_stage
 from attnkit.converters.mla.report import build_report, format_report
@@ -48,6 +49,7 @@ from attnkit.io.stream_copy import merge_index, stream_tensors
 
 STAGES = ("exact", "rope", "balance", "low-rank", "native")
 REFIT_STAGES = ("exact", "rope", "balance", "low-rank", "refit", "native")  # with --refit-query
+MIX_FIT_TOKENS = 16384  # calibration tokens (strided) the engine form's latent mix is fitted on
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
@@ -338,12 +340,17 @@ def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor
                     dev: str) -> tuple[dict[str, torch.Tensor], dict]:
     """The engine form of one layer: kv_b refit on the normalised latents of the calibration rows for
     every anchor ratio at once (the anchor's direction is the same, only its size differs; one pass
-    over the rows); the ratio whose refit reconstructs K and V best is kept."""
+    over the rows); the ratio whose refit reconstructs K and V best is kept. Then the latent is mixed
+    to a steadier norm (`steady_mix`, fitted on a strided sample of the rows) and refit again; the mix
+    is kept when its refit is better."""
     unit = anchor_row(mom, p.lat_w.double(), 1.0)
     refits = {ratio: KvbRefit(p.lat_w.shape[0]) for ratio in ANCHOR_RATIOS}
     lat = torch.cat([p.lat_w.double(), unit[None]]).float().to(dev)  # [m + 1, D]
+    stride = max(1, -(-h_cal.rows * h_cal.row_shape[0] // MIX_FIT_TOKENS))
+    sample = []  # [N, m + 1] latents at unit anchor, every stride-th calibration token
     for _, b in h_cal.blocks(ROW_BATCH):
         c = (norm1(b.to(dev)) @ lat.T).double()  # [1, T, m + 1]: data latent, then the unit anchor
+        sample.append(c.reshape(-1, c.shape[-1])[::stride].cpu())
         data = c[..., :-1].reshape(-1, c.shape[-1] - 1).cpu()
         gram = data.T @ data  # the same for every ratio
         for ratio, refit in refits.items():
@@ -356,9 +363,25 @@ def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor
             best = (ratio, kv_b)
         del kv_b
     ratio, kv_b = best
-    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), ratio * unit, kv_b)
-    return tensors, {"anchor_ratio": ratio, "kv_refit_rel_err": errors[ratio],
-                     "kv_refit_rel_err_by_ratio": {str(r): e for r, e in errors.items()}}
+    z = torch.cat(sample)
+    z[:, -1] *= ratio
+    mix = steady_mix(z)
+    rows = latent_rows(p.lat_w, ratio * unit, mix)  # [m + 1, D]
+    refit, mixed_lat = KvbRefit(p.lat_w.shape[0]), rows.float().to(dev)
+    for _, b in h_cal.blocks(ROW_BATCH):
+        x = norm1(b.to(dev))
+        refit.add((x @ p.lat_w.T.to(dev)).double().cpu(), normalised_latent((x @ mixed_lat.T).double()).cpu())
+    kv_b_mixed = refit.solve(p.kvb_w)
+    mixed_err = refit.relative_error(p.kvb_w, kv_b_mixed)
+    info = {"anchor_ratio": ratio, "kv_refit_rel_err_by_ratio": {str(r): e for r, e in errors.items()},
+            "norm_spread": {"anchor": norm_spread(z), "mixed": norm_spread(z @ mix.T)},
+            "mix_kept": mixed_err < errors[ratio]}
+    if info["mix_kept"]:
+        kv_b, err = kv_b_mixed, mixed_err
+    else:
+        rows, err = latent_rows(p.lat_w, ratio * unit), errors[ratio]
+    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), rows, kv_b)
+    return tensors, {**info, "kv_refit_rel_err": err}
 
 
 def _exact_by_group(aw: mla.AttnWeights, shape: mla.Shape, mom: torch.Tensor, t: _Layers, dev: str):
