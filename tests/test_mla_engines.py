@@ -169,6 +169,21 @@ def test_steady_mix_makes_the_norm_steady_and_is_invertible():
     assert abs(float(sv.max()) - 1) < 1e-9 and float(sv.max() / sv.min()) < 10
 
 
+def test_steady_mix_beyond_its_channels_shares_one_scale():
+    """Channels past the freely mixed ones get one common scale: enough when they are steady among
+    themselves but on another scale than the mixed ones."""
+    torch.manual_seed(1)
+    N = 4000
+    a = torch.randn(N, 2, dtype=torch.float64)
+    b = torch.randn(N, 6, dtype=torch.float64)
+    steady = torch.cat([a, b], 1) / torch.cat([a, b], 1).norm(dim=-1, keepdim=True)
+    z = steady * torch.tensor([3.0, 3.0] + [1.0] * 6, dtype=torch.float64)  # the rest 3x too small
+    T = steady_mix(z, channels=2)
+    assert norm_spread(z @ T.T) < 0.05 * norm_spread(z)
+    assert torch.count_nonzero(T[2:, 2:] - torch.diag(T[2:, 2:].diagonal())) == 0  # the rest: one scale
+    assert torch.allclose(T[2:, 2:].diagonal(), T[2, 2].expand(6))
+
+
 def test_mixed_latent_rows_give_the_mixed_latent():
     torch.manual_seed(2)
     m, D = 4, 7

@@ -67,28 +67,38 @@ def anchor_row(moment: torch.Tensor, lat_w: torch.Tensor, ratio: float) -> torch
     return v * (ratio * data_norm / (v @ mu).abs().clamp_min(1e-30)) * torch.sign(v @ mu)
 
 
-def steady_mix(z: torch.Tensor, spread: float = 1e-3, iters: int = 200) -> torch.Tensor:
+def steady_mix(z: torch.Tensor, spread: float = 1e-3, iters: int = 200, channels: int = 128) -> torch.Tensor:
     """[r, r] mix T of the latent channels z [N, r] that makes |T z_t|^2 as nearly the same for every
     token as it can (L-BFGS on its relative variance, from T = I): the RMSNorm after it then divides
     every token by nearly one number, i.e. is nearly linear. `spread` penalises the spread of T's log
     singular values, so no direction is shrunk to where bf16 / f16 weights would lose it (measured on
-    the reference: condition numbers 9-31, the norm's coefficient of variation 1.5-3.9x smaller)."""
+    the reference: condition numbers 9-31, the norm's coefficient of variation 1.5-3.9x smaller).
+
+    Only the `channels` of most energy are mixed freely; the others share one scale (their squared
+    norm is one feature), so a 512-wide latent costs a 128-wide fit."""
     z = z.double()
-    t = torch.eye(z.shape[1], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([t], max_iter=iters, line_search_fn="strong_wolfe")
+    r = z.shape[1]
+    order = z.pow(2).mean(0).argsort(descending=True)
+    head, rest = order[:channels], order[channels:]
+    z_head, rest_sq = z[:, head], z[:, rest].pow(2).sum(-1)  # [N, k], [N]
+    t = torch.eye(len(head), dtype=torch.float64, requires_grad=True)
+    log_s = torch.zeros((), dtype=torch.float64, requires_grad=True)  # the shared scale of the rest
+    opt = torch.optim.LBFGS([t, log_s], max_iter=iters, line_search_fn="strong_wolfe")
 
     def loss() -> torch.Tensor:
         opt.zero_grad()
-        q = (z @ t.T).pow(2).sum(-1)  # [N] squared norms
-        log_sv = torch.linalg.svdvals(t).log()
+        q = (z_head @ t.T).pow(2).sum(-1) + (2 * log_s).exp() * rest_sq  # [N] squared norms
+        log_sv = torch.cat([torch.linalg.svdvals(t).log(), log_s.expand(len(rest))])
         value = (q / q.mean() - 1).pow(2).mean() + spread * (log_sv - log_sv.mean()).pow(2).mean()
         value.backward()
         return value
 
     with torch.enable_grad():
         opt.step(loss)
-    t = t.detach()
-    return t / torch.linalg.svdvals(t).max()  # largest singular value 1: the latent's scale unchanged at most
+    mix = torch.zeros(r, r, dtype=torch.float64)
+    mix[head[:, None], head[None, :]] = t.detach()
+    mix[rest, rest] = log_s.detach().exp()
+    return mix / torch.linalg.svdvals(mix).max()  # largest singular value 1: the latent's scale unchanged at most
 
 
 def norm_spread(z: torch.Tensor) -> float:
