@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from attnkit.cli import main
-from attnkit.evaluation.kv import checkpoint_dtype, format_kv, kv_as_stored, kv_change, short_dtype
+from attnkit.evaluation.kv import (checkpoint_dtype, format_kv, kv_as_stored, kv_cache_bytes_per_token, kv_change,
+                                   short_dtype)
 from attnkit.io.resolve import REFERENCE_DIR
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -30,6 +31,15 @@ def test_short_names_and_rescaling():
     assert format_kv(4096, torch.float32) == "4,096 B/token (fp32)"
     assert format_kv(608, "bfloat16", "as stored") == "608 B/token (bf16, as stored)"
     assert kv_change({"before": 2048, "after": 608, "dtype": "bf16"}) == "KV cache: 2,048 -> 608 B/token (bf16), 29.7 % of the source"
+
+
+def test_a_sliding_window_cache_is_named_by_its_values_dtype():
+    """transformers' sliding-window cache layers also hold an int64 tensor: the cache's dtype is its values'."""
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, sliding_window=4096)
+    kv = kv_cache_bytes_per_token(MistralForCausalLM(cfg).to(torch.bfloat16))
+    assert kv["dtype"] == "bfloat16" and kv["total"] == 2 * 8 * 2
 
 
 def test_checkpoint_dtype_reads_the_header(tmp_path):

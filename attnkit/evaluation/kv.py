@@ -116,7 +116,8 @@ def kv_cache_bytes_per_token(model: torch.nn.Module) -> dict:
         if (lg - s) % span:
             raise AttnkitError(f"cache bytes do not grow linearly with tokens ({s} B at {_SHORT}, {lg} B at {_LONG})")
         per_layer.append((lg - s) // span)
-    dtypes = {str(t.dtype).replace("torch.", "") for layer in getattr(long_cache, "layers", []) for t in _layer_tensors(layer)}
+    dtypes = {str(t.dtype).replace("torch.", "") for layer in getattr(long_cache, "layers", []) for t in _layer_tensors(layer)
+              if t.is_floating_point()}  # the values' dtype: a sliding-window layer also holds an int64 index
     layers = getattr(long_cache, "layers", [])
     return {
         "total": int(sum(per_layer)),
