@@ -172,6 +172,7 @@ def calibrate(model, rows: torch.Tensor, device: torch.device) -> dict:
     return {"entropy": entropy, "head_rms": rms}
 
 
+@torch.no_grad()  # a comparison: no graph (it held every layer's activations and warned)
 def _logits(model, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.cat([model(input_ids=b.to(device), use_cache=False).logits.float().cpu() for b in _batches(rows)])
 
