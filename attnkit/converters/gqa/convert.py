@@ -26,11 +26,12 @@ from attnkit.adapters.families import FAMILIES, Family
 from attnkit.converters.common import DTYPE_NAMES, DTYPES, calibration_tokens, check_device, source_dtype
 from attnkit.converters.gqa import math as gm
 from attnkit.converters.gqa.report import build_report, format_report
-from attnkit.converters.mla.convert import COPY_FILES, SourceAttention, measure_stage, return_freed_memory
+from attnkit.converters.mla.convert import (COPY_FILES, SourceAttention, measure_stage, measure_streams,
+                                           return_freed_memory)
 from attnkit.converters.mla.layer import AttnWeights
-from attnkit.converters.mla.metrics import ErrorStat, logits_metrics
-from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, final_hidden, head_chunks,
-                                           load_layer, load_mlp, moment, open_source, source_pe)
+from attnkit.converters.mla.metrics import ErrorStat
+from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, lm_head_name, load_layer,
+                                           load_mlp, moment, open_source, source_pe)
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
@@ -193,15 +194,7 @@ def execute(src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tenso
     merge_index(tmp, "model-embeddings.safetensors",
                 stream_tensors(src.ckpt, [(n, n, 1.0) for n in big], tmp / "model-embeddings.safetensors", s.out_dtype))
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
-    finals = {k: final_hidden(src, store.all().to(dev), final_norm) for k, store in streams.items()}
-    for store in streams.values():
-        store.close()
-    tied = bool(src.config.get("tie_word_embeddings", False))
-    head_name = fam.embed + ".weight" if tied or fam.lm_head + ".weight" not in src.ckpt else fam.lm_head + ".weight"
-    targets = held_out[:, 1:].reshape(-1).to(dev)
-    return_freed_memory(trim=True, mmap_threshold=1 << 20)
-    src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
-                                      lambda: head_chunks(src.ckpt, head_name, dev))
+    src_ppl, metrics = measure_streams(src, streams, stages, held_out, final_norm, lm_head_name(src), dev)
     return build_report(src, s, metrics, attn_err, src_ppl, per_layer)
 
 

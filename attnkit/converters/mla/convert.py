@@ -39,8 +39,8 @@ from attnkit.converters.mla.report import build_report, format_report
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings
 from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, final_hidden, has_q_bias,
-                                           head_chunks, load_layer, load_mlp, mlp_tensors, moment, open_source,
-                                           rope_tables, source_pe, source_scale)
+                                           head_chunks, lm_head_name, load_layer, load_mlp, mlp_tensors, moment,
+                                           open_source, rope_tables, source_pe, source_scale)
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
@@ -54,14 +54,14 @@ COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
-def return_freed_memory(trim: bool = False, mmap_threshold: int = 1 << 20) -> None:
-    """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap);
-    `trim` also hands back the free pages inside the heap (what tokenising the calibration text
-    and a layer's small tensors leave behind). A higher `mmap_threshold` serves mid-sized
-    temporaries from the heap instead, without a fresh mapping's page faults each time."""
+def return_freed_memory(trim: bool = False) -> None:
+    """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap):
+    a fixed 1 MiB mmap threshold (glibc's own grows with what is freed, up to 32 MiB); `trim` also
+    hands back the free pages inside the heap (what tokenising the calibration text and a layer's
+    small tensors leave behind)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, mmap_threshold)  # M_MMAP_THRESHOLD
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
         if trim:
             libc.malloc_trim(0)
     except (OSError, AttributeError):
@@ -202,22 +202,14 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
     t.writer.add("model.norm.weight", final_norm.to(s.out_dtype))
     tied = bool(src.config.get("tie_word_embeddings", False))
-    head_name = embed_name if tied or fam.lm_head + ".weight" not in src.ckpt else fam.lm_head + ".weight"
+    head_name = lm_head_name(src)
     t.writer.close()
     big = [("model.embed_tokens.weight", embed_name, 1.0)]
     if not tied or t.engine:  # the engine export writes its head (vLLM does not tie DeepSeek's)
         big.append(("lm_head.weight", head_name, 1.0))
     merge_index(tmp, "model-embeddings.safetensors", stream_tensors(src.ckpt, big, tmp / "model-embeddings.safetensors", s.out_dtype))
     tgt_cfg.to_json_file(str(tmp / "config.json"))
-    finals = {k: final_hidden(src, store.all().to(dev), final_norm) for k, store in streams.items()}
-    for store in streams.values():
-        store.close()
-    targets = p.held_out[:, 1:].reshape(-1).to(dev)
-    # the logits comparison allocates and frees ~16 MB temporaries thousands of times and nothing
-    # layer-sized comes after it: from the heap, not fresh mappings (half its time on the reference)
-    return_freed_memory(trim=True, mmap_threshold=1 << 20)
-    src_ppl, metrics = logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
-                                      lambda: head_chunks(src.ckpt, head_name, dev))
+    src_ppl, metrics = measure_streams(src, streams, stages, p.held_out, final_norm, head_name, dev)
     report = build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)
     if s.rope_frequencies == "ladder":
         report["target"]["rope_stride"] = p.stride
@@ -334,6 +326,19 @@ def measure_stage(attend, ref: SourceAttention, norm1, stream: RowStore, stat: E
     e = torch.cat(errs)
     stat.add(e)
     return float(e.mean())
+
+
+def measure_streams(src: Source, streams: dict[str, RowStore], stages, held_out: torch.Tensor,
+                    final_norm: torch.Tensor, head_name: str, dev: str) -> tuple[float, dict]:
+    """The source's held-out perplexity and every stage's logits error / KL / perplexity against it,
+    from the final hidden states of the streams (closed here: nothing reads them after)."""
+    finals = {k: final_hidden(src, store.all().to(dev), final_norm) for k, store in streams.items()}
+    for store in streams.values():
+        store.close()
+    targets = held_out[:, 1:].reshape(-1).to(dev)
+    return_freed_memory(trim=True)
+    return logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
+                          lambda: head_chunks(src.ckpt, head_name, dev))
 
 
 def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor, h_cal: RowStore,

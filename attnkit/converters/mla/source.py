@@ -238,6 +238,13 @@ def final_hidden(src: Source, h: torch.Tensor, norm_w: torch.Tensor) -> torch.Te
     return (norm_w * x).reshape(-1, x.shape[-1])
 
 
+def lm_head_name(src: Source) -> str:
+    """The LM head's tensor: the embedding's when the model ties them or has no separate head."""
+    fam = src.family
+    tied = bool(src.config.get("tie_word_embeddings", False))
+    return fam.embed + ".weight" if tied or fam.lm_head + ".weight" not in src.ckpt else fam.lm_head + ".weight"
+
+
 def head_chunks(ckpt: LazyCheckpoint, name: str, dev: str, chunk: int = 8192):
     path = ckpt.folder / ckpt.weight_map[name]
     for lo in range(0, tensor_rows(ckpt, name), chunk):
