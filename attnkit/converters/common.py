@@ -3,8 +3,11 @@ report, the source dtype, and the calibration / held-out split of the calibratio
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -39,6 +42,37 @@ def source_dtype(ckpt: LazyCheckpoint) -> torch.dtype:
     first = next(n for n in ckpt.keys() if n.endswith("norm.weight") or n.endswith("proj.weight"))
     dtype = ckpt.get(first).dtype
     return dtype if dtype in DTYPE_NAMES else torch.float32
+
+
+@dataclass(kw_only=True)
+class StreamSettings:
+    """What every streamed conversion (`--to mla`, `--to gqa`) is calibrated, measured and written
+    with; each method's settings add its own fields."""
+
+    calib: str
+    calib_tokens: int
+    eval_tokens: int
+    seq_len: int
+    seed: int
+    device: str
+    dtype_name: str
+    out_dtype: torch.dtype
+    max_shard_bytes: int = 1 << 27
+    PRIVATE: ClassVar[tuple[str, ...]] = ("out_dtype", "max_shard_bytes")  # left out of the report
+
+    def public(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in self.PRIVATE}
+
+
+def stream_fields(args: argparse.Namespace, src_dtype: torch.dtype) -> dict:
+    """`StreamSettings`' fields from the command line (the output dtype defaults to the source's)."""
+    for name in ("calib_tokens", "calib_seq_len"):
+        if getattr(args, name) <= 1:
+            raise AttnkitError(f"--{name.replace('_', '-')} must be > 1")
+    out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
+    return dict(calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
+                seq_len=args.calib_seq_len, seed=args.seed, device=args.device,
+                dtype_name=DTYPE_NAMES.get(out_dtype, "float32"), out_dtype=out_dtype)
 
 
 def calibration_tokens(tokenizer, source: str, seq_len: int, n_calib: int, n_eval: int, seed: int):

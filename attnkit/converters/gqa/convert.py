@@ -15,7 +15,7 @@ import copy
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from attnkit.adapters.families import FAMILIES, Family
-from attnkit.converters.common import DTYPE_NAMES, DTYPES, calibration_tokens, check_device, source_dtype
+from attnkit.converters.common import (StreamSettings, calibration_tokens, check_device, source_dtype,
+                                       stream_fields)
 from attnkit.converters.gqa import math as gm
 from attnkit.converters.gqa.report import build_report, format_report
 from attnkit.converters.mla.convert import (COPY_FILES, SourceAttention, measure_stage, measure_streams,
@@ -44,25 +45,10 @@ KEY_SCALE = False  # per-pair key scale in the alignment: exact too, but measure
 REFIT_RIDGE = 1e-6  # of the mean diagonal of the o_proj refit's normal matrix
 
 
-@dataclass
-class Settings:
+@dataclass(kw_only=True)
+class Settings(StreamSettings):
     kv_heads: int
     merge: str
-    calib: str
-    calib_tokens: int
-    eval_tokens: int
-    seq_len: int
-    seed: int
-    device: str
-    dtype_name: str
-    out_dtype: torch.dtype
-    max_shard_bytes: int = 1 << 27
-
-    def public(self) -> dict:
-        d = asdict(self)
-        for k in ("out_dtype", "max_shard_bytes"):
-            d.pop(k)
-        return d
 
 
 def describe(config: dict) -> Family:
@@ -86,9 +72,7 @@ def resolve_settings(args: argparse.Namespace, src: Source) -> Settings:
         raise AttnkitError(f"--kv-heads {n} does not divide the source's {G} KV heads into equal groups")
     if src.shape.d % 2:
         raise AttnkitError(f"head_dim {src.shape.d} is odd: rotate-half RoPE needs an even head dim")
-    for name in ("calib_tokens", "calib_seq_len"):
-        if getattr(args, name) <= 1:
-            raise AttnkitError(f"--{name.replace('_', '-')} must be > 1")
+    run = stream_fields(args, source_dtype(src.ckpt))
     cfg = src.config
     window = cfg.get("sliding_window")
     if window and cfg.get("use_sliding_window", True) and window < args.calib_seq_len:
@@ -96,9 +80,7 @@ def resolve_settings(args: argparse.Namespace, src: Source) -> Settings:
             f"the model attends through a sliding window of {window} tokens, shorter than --calib-seq-len "
             f"{args.calib_seq_len}: the report would measure attention beyond the window; give --calib-seq-len <= {window} "
             "(the output keeps the window)")
-    out_dtype = DTYPES[args.dtype] if args.dtype else source_dtype(src.ckpt)
-    return Settings(n, args.merge, args.calib, args.calib_tokens, getattr(args, "eval_tokens", None) or 4096,
-                    args.calib_seq_len, args.seed, args.device, DTYPE_NAMES.get(out_dtype, "float32"), out_dtype)
+    return Settings(kv_heads=n, merge=args.merge, **run)
 
 
 def convert(args: argparse.Namespace) -> int:

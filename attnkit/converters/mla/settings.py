@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from attnkit.converters.common import DTYPE_NAMES, DTYPES, source_dtype
+from attnkit.converters.common import StreamSettings, source_dtype, stream_fields
 from attnkit.converters.mla.budget import budget_values, max_rank
 from attnkit.converters.mla.layer import Shape
 from attnkit.errors import AttnkitError
@@ -15,39 +16,25 @@ from attnkit.errors import AttnkitError
 DEFAULT_RANK, DEFAULT_ROPE_DIM = 512, 64
 
 
-@dataclass
-class Settings:
+@dataclass(kw_only=True)
+class Settings(StreamSettings):
     kv_lora_rank: int  # latent channels in the cache, including a constant channel (transformers target)
     rope_dim: int
     rope_method: str
     rope_frequencies: str
     objective: str
-    calib: str
-    calib_tokens: int
-    eval_tokens: int
-    seq_len: int
-    seed: int
-    device: str
-    dtype_name: str
-    out_dtype: torch.dtype
     src_itemsize: int
-    max_shard_bytes: int = 1 << 27
     refit_query: str = "attention"  # off | attention | uniform: distance weights of the query refit
     kv_budget: float | None = None  # fraction of the source's KV bytes; the split is then measured
     target: str = "transformers"  # engines: within llama.cpp / vLLM / SGLang; transformers: exact there only
     v_head_dim: int = 0  # value head size written (>= head_dim, zero-padded); 0 before resolve_settings
+    PRIVATE: ClassVar[tuple[str, ...]] = (*StreamSettings.PRIVATE, "src_itemsize")
 
     @property
     def data_rank(self) -> int:
         """Latent channels that carry data: one carries the latent norm's constant (transformers
         target) or its anchor (engine target)."""
         return self.kv_lora_rank - 1
-
-    def public(self) -> dict:
-        d = asdict(self)
-        for k in ("out_dtype", "src_itemsize", "max_shard_bytes"):
-            d.pop(k)
-        return d
 
 
 def rope_cap(shape: Shape, frequencies: str) -> int:
@@ -87,17 +74,11 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt) -> Settings:
     v_head_dim = getattr(args, "v_head_dim", None) or shape.d
     if v_head_dim < shape.d:
         raise AttnkitError(f"--v-head-dim must be >= head_dim {shape.d} (values are zero-padded, never cut), got {v_head_dim}")
-    for name in ("calib_tokens", "calib_seq_len"):
-        if getattr(args, name) <= 1:
-            raise AttnkitError(f"--{name.replace('_', '-')} must be > 1")
     src_dtype = source_dtype(ckpt)
-    out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
     return Settings(
         kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=frequencies,
-        objective=getattr(args, "objective", None) or "attention",
-        calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
-        seq_len=args.calib_seq_len, seed=args.seed, device=args.device, dtype_name=DTYPE_NAMES.get(out_dtype, "float32"),
-        out_dtype=out_dtype, src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
+        objective=getattr(args, "objective", None) or "attention", **stream_fields(args, src_dtype),
+        src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
         refit_query=getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off",
         kv_budget=budget, target=target, v_head_dim=v_head_dim,
     )
