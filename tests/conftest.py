@@ -5,7 +5,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import hashlib
 import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mla_fixtures import calib_folder  # noqa: E402
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -22,3 +28,9 @@ def tree_digest(folder: Path) -> dict[str, str]:
     """Every file under `folder`: relative path -> sha256 of its bytes (a folder left untouched has the same)."""
     return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory):
+    """A calibration text folder (mla_fixtures.calib_folder) shared by a test module."""
+    return calib_folder(tmp_path_factory.mktemp("calib"))

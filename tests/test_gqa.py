@@ -20,16 +20,11 @@ from attnkit.converters.gqa.convert import attention_tensors
 from attnkit.converters.mla.layer import AttnWeights, Shape
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mla_fixtures import calib_folder, family_model, save_model  # noqa: E402
+from mla_fixtures import family_model, save_model  # noqa: E402
 from conftest import tree_digest  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
 KINDS = ["llama", "mistral", "qwen2", "phi3"]
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory):
-    return calib_folder(tmp_path_factory.mktemp("calib"))
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,10 @@ from transformers import AutoModelForCausalLM
 from attnkit.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mla_fixtures import calib_folder, save_model  # noqa: E402
+from mla_fixtures import save_model  # noqa: E402
 from conftest import tree_digest  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory):
-    return calib_folder(tmp_path_factory.mktemp("calib"))
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from attnkit.converters.shapes import shape_problem, with_defaults
 from attnkit.io.checkpoint import LazyCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mla_fixtures import calib_folder, save_model  # noqa: E402
+from mla_fixtures import save_model  # noqa: E402
 from conftest import tree_digest  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
@@ -164,11 +164,6 @@ DEFECTS = {
 }
 FAMILIES = ["llama", "mistral", "qwen2", "phi3"]  # what `convert --to mla` takes (docs/mla.md, Architectures)
 RETROFIT = ["llama", "mistral", "qwen2"]  # what `--to dex|diff` takes besides DeepSeek-V3
-
-
-@pytest.fixture(scope="module")
-def calib(tmp_path_factory):
-    return calib_folder(tmp_path_factory.mktemp("calib"))
 
 
 @pytest.fixture(scope="module")
