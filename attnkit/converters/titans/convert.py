@@ -19,19 +19,15 @@ def convert_titans(args: argparse.Namespace) -> int:
     config = check_causal_lm(resolve_model(args.model))
     if config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].attention:
         _settings(args, config)  # refuse bad settings before any work (other models: retrofit says why)
-    return retrofit(args, "titans", _fields, _init_memory)
+
+    def fields(args: argparse.Namespace, stats: dict, model_type: str, layers: int) -> tuple[dict, dict]:
+        return titans_config_fields(_settings(args, config), ANNEAL_FRACTION, model_type), {}
+
+    return retrofit(args, "titans", fields, _init_memory)
 
 
 def _settings(args: argparse.Namespace, config: dict) -> dict:
     return check_settings(args.window, args.chunk, args.memory_depth, args.memory_dim, config)
-
-
-def _fields(args: argparse.Namespace, stats: dict, model_type: str, layers: int) -> tuple[dict, dict]:
-    return titans_config_fields(_settings(args, _config_dict(args)), ANNEAL_FRACTION, model_type), {}
-
-
-def _config_dict(args: argparse.Namespace) -> dict:
-    return check_causal_lm(resolve_model(args.model))
 
 
 def _init_memory(model: torch.nn.Module, stats: dict) -> dict:
