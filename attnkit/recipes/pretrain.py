@@ -33,6 +33,7 @@ class TokenizerSpec:
 
 @dataclass
 class ModelSpec:
+    model_type: str = "llama"  # any causal-LM model_type of transformers with these fields (llama, qwen3, ...)
     hidden_size: int = 256
     num_hidden_layers: int = 4
     num_attention_heads: int = 8
@@ -107,18 +108,23 @@ def train_tokenizer(corpus: str, spec: TokenizerSpec):
 
 
 def build_model(spec: ModelSpec, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        hidden_act="silu",
-        **{k: v for k, v in asdict(spec).items() if k != "rope_theta"},
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
-    )
-    return LlamaForCausalLM(config)
+    fields = {k: v for k, v in asdict(spec).items() if k not in ("rope_theta", "model_type")}
+    try:
+        config = AutoConfig.for_model(
+            spec.model_type,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            hidden_act="silu",
+            **fields,
+            rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        )
+    except ValueError as e:
+        raise AttnkitError(f"model.model_type {spec.model_type!r}: {e}") from None
+    return AutoModelForCausalLM.from_config(config)
 
 
 def _check_export_dir(folder: Path) -> None:
