@@ -75,6 +75,14 @@ def _add_convert(sub) -> None:
         "interleaved RoPE, a plain RoPE ladder); transformers: exact at full size, runs in transformers only",
     )
     mla.add_argument(
+        "--format",
+        choices=["attnkit", "deepseek_v3"],
+        default=None,
+        help="deepseek_v3: a plain DeepSeek-V3 checkpoint (default for Llama/Qwen2/Mistral/Phi-3; for QK-norm families "
+        "the norms are folded to constant scales: lossy, measured); attnkit: MLA with the source's QK norms applied "
+        "before compression, exact, custom code (trust_remote_code; default for Qwen3)",
+    )
+    mla.add_argument(
         "--rope-frequencies",
         choices=["ladder", "exact", "geometric"],
         default=None,
@@ -91,7 +99,7 @@ def _add_convert(sub) -> None:
     titans = p.add_argument_group("Titans (--to titans): window attention + neural long-term memory, Memory as Gate")
     titans.add_argument("--window", type=int, default=128, metavar="W", help="tokens the attention still sees (default 128)")
     titans.add_argument("--chunk", type=int, default=16, metavar="C", help="tokens the memory reads per update, <= W (default 16)")
-    titans.add_argument("--memory-depth", type=int, default=2, metavar="N", help="layers of the memory MLP (default 2)")
+    titans.add_argument("--memory-depth", type=int, default=2, metavar="N", help="layers of the memory MLP (default 2; 0 = the window alone, no memory: the baseline)")
     titans.add_argument("--memory-dim", type=int, default=None, metavar="M", help="memory key/value size per head (default: head_dim)")
     titans.add_argument("--variant", choices=["mag"], default="mag", help="how memory and attention combine: mag = Memory as Gate")
     gqa = p.add_argument_group("GQA (--to gqa)")

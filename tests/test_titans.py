@@ -265,3 +265,21 @@ def test_state_bytes_stop_growing_at_the_window():
     sizes = {n: sum(cache_bytes(run_for_cache(target, 1, n))) for n in (4, 5, 8, 18, 32, 35, 64)}
     assert sizes[4] < sizes[5] < sizes[8]  # below W: the window's keys/values grow
     assert sizes[8] == sizes[18] == sizes[32] == sizes[35] == sizes[64]  # whatever is pending in the chunk
+
+
+def test_depth_zero_is_the_window_alone():
+    """--memory-depth 0: no memory parameters, the same logits as a closed-gate Titans model, decoding
+    equals the full forward, and the cache holds the window's keys/values only."""
+    _, titans = titans_model("llama", window=6, chunk=4)
+    _, window = titans_model("llama", window=6, chunk=4, depth=0)
+    assert not [n for n, _ in window.named_parameters() if ".titans." in n]
+    ids = torch.randint(0, 300, (2, 19))
+    with torch.no_grad():
+        full = window(input_ids=ids, use_cache=False).logits
+        assert torch.equal(full, titans(input_ids=ids, use_cache=False).logits)
+        out = window(input_ids=ids[:, :7], use_cache=True)
+        steps = [out.logits] + [window(input_ids=ids[:, t:t + 1], cache=out.cache, use_cache=True).logits
+                                for t in range(7, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    sizes = {n: sum(cache_bytes(run_for_cache(window, 1, n))) for n in (6, 18)}
+    assert sizes[6] == sizes[18] == 2 * 2 * 1 * 2 * 5 * 8 * 4  # layers x [K, V] x B x KV heads x (W - 1) x d x fp32

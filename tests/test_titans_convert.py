@@ -81,7 +81,8 @@ def test_fresh_process_loads_with_remote_code_only(tmp_path, calib, llama_src):
     (["--window", "100000"], "context"),
     (["--chunk", "0"], "--chunk"),
     (["--window", "8", "--chunk", "16"], "--chunk"),
-    (["--memory-depth", "0"], "--memory-depth"),
+    (["--memory-depth", "-1"], "--memory-depth"),
+    (["--memory-depth", "5"], "--memory-depth"),
     (["--memory-dim", "33"], "--memory-dim"),
 ])
 def test_bad_settings_are_one_line_and_nothing_is_written(tmp_path, capsys, calib, llama_src, flags, words):

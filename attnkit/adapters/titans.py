@@ -194,6 +194,11 @@ class TitansMemory(nn.Module):
                  chunk: int, layer_idx: int, anneal_fraction: float = 0.25):
         super().__init__()
         self.heads, self.memory_dim, self.window, self.chunk = heads, memory_dim, window, chunk
+        self.register_buffer("ramp", torch.zeros(1))
+        self.register_buffer("anneal_fraction", torch.tensor([float(anneal_fraction)]))
+        self.initial = nn.ParameterList()
+        if depth == 0:  # the window alone: the baseline a memory is measured against
+            return
         gen = torch.Generator().manual_seed(2000 + layer_idx)
         normal = lambda *shape, std: torch.randn(*shape, generator=gen) * std
         self.q_proj = nn.Linear(hidden, heads * memory_dim, bias=False)
@@ -208,12 +213,10 @@ class TitansMemory(nn.Module):
         nn.init.zeros_(self.mix.weight)
         nn.init.constant_(self.mix.bias, MIX_BIAS)
         # the memory's weights before any token (learned), per head [H, M_in, M_out]
-        self.initial = nn.ParameterList([nn.Parameter(normal(heads, memory_dim, memory_dim, std=memory_dim ** -0.5))
-                                         for _ in range(depth)])
+        self.initial.extend(nn.Parameter(normal(heads, memory_dim, memory_dim, std=memory_dim ** -0.5))
+                            for _ in range(depth))
         eye = torch.eye(memory_dim, value_dim) if memory_dim == value_dim else normal(memory_dim, value_dim, std=memory_dim ** -0.5)
         self.out = nn.Parameter(eye.expand(heads, -1, -1).clone())  # memory -> head value space [H, M, d_v]
-        self.register_buffer("ramp", torch.zeros(1))
-        self.register_buffer("anneal_fraction", torch.tensor([float(anneal_fraction)]))
 
     def attnkit_set_step(self, step: int, total_steps: int) -> None:
         self.ramp.fill_(anneal_ramp(step, total_steps, float(self.anneal_fraction)))
@@ -240,6 +243,8 @@ class TitansMemory(nn.Module):
     def forward(self, x: torch.Tensor, attn_out: torch.Tensor, valid: torch.Tensor | None,
                 state: MemoryState | None) -> tuple[torch.Tensor, MemoryState]:
         """x [B, T, D] (the attention's input), attn_out [B, T, H, d_v] -> (mixed output, new state)."""
+        if not len(self.initial):  # depth 0: no memory, no state
+            return attn_out, None
         if state is None:
             state = self.initial_state(x.shape[0])
         q = F.normalize(self._heads(self.q_proj, x), dim=-1)

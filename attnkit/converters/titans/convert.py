@@ -36,13 +36,14 @@ def _init_memory(model: torch.nn.Module, stats: dict) -> dict:
     spec = model.config.attnkit
     heads, head_dim = head_sizes(model.config.to_dict())
     family = FAMILIES[spec["base_model_type"]]
-    from_source = family.attention == "rotate_half" and spec["memory_dim"] == head_dim
+    from_source = family.attention == "rotate_half" and spec["memory_dim"] == head_dim and spec["memory_depth"] > 0
     for attn in (m for m in model.modules() if hasattr(m, "titans")):
         if from_source:
             for name, weight in memory_projections_from(attn, heads, head_dim).items():
                 getattr(attn.titans, name).weight.data.copy_(weight)
     return {"titans": {**{k: spec[k] for k in ("window", "chunk", "memory_depth", "memory_dim", "variant")},
-                       "memory_qkv_init": "the layer's q/k/v (KV heads repeated)" if from_source else "seeded random",
+                       "memory_qkv_init": ("none: the window alone" if not spec["memory_depth"] else
+                                           "the layer's q/k/v (KV heads repeated)" if from_source else "seeded random"),
                        "state_bytes": state_bytes(model, spec["window"])},
             "kv_cache_effect": ("bounded: the last W-1 keys/values per layer plus the memory state (fp32) and the "
                                 "< C tokens read since its last chunk; kv_cache_bytes_per_token.after is the growth "

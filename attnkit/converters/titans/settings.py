@@ -5,7 +5,8 @@ Why these limits: the window W is a count of tokens the attention still sees, so
 model's context; a chunk of C tokens is written to memory only once complete and its tokens read the
 memory of the chunks before, so a chunk must fit in the window (C <= W) or its oldest tokens would be
 seen by neither. Chunk boundaries count from the first token and a partial last chunk waits in the
-cache, so C need not divide any training length.
+cache, so C need not divide any training length. Depth 0 is the window alone (no memory): the
+baseline a Titans model is measured against, healed the same way.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def check_settings(window: int, chunk: int, depth: int, memory_dim: int | None, 
     if chunk < 1 or chunk > window:
         raise AttnkitError(f"--chunk must be between 1 and --window ({window}): a chunk's tokens are in the window "
                            f"until the memory has read them; got {chunk}")
-    if not 1 <= depth <= MAX_DEPTH:
-        raise AttnkitError(f"--memory-depth must be between 1 and {MAX_DEPTH}, got {depth}")
+    if not 0 <= depth <= MAX_DEPTH:
+        raise AttnkitError(f"--memory-depth must be between 0 (the window alone, no memory) and {MAX_DEPTH}, got {depth}")
     hidden = int(config["hidden_size"])
     dim = head_sizes(config)[1] if memory_dim is None else memory_dim
     if not 1 <= dim <= hidden:
