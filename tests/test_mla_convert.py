@@ -107,11 +107,11 @@ def test_bad_settings(tmp_path, calib, llama, capsys, extra, message):
 
 
 def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, llama, capsys, monkeypatch):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    Qwen3ForCausalLM(Qwen3Config(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1, head_dim=16, vocab_size=100)).save_pretrained(tmp_path / "qwen3")
-    assert _convert(tmp_path / "qwen3", tmp_path / "o", calib) == 2
+    Olmo2ForCausalLM(Olmo2Config(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, vocab_size=100)).save_pretrained(tmp_path / "olmo2")
+    assert _convert(tmp_path / "olmo2", tmp_path / "o", calib) == 2
     assert "QK-norm" in capsys.readouterr().err
     src = llama
     before = tree_digest(src)

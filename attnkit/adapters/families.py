@@ -35,6 +35,10 @@ class Family:
     attention: str | None = "rotate_half"
     sliding_window: str | None = None  # "config" (config.sliding_window) | "module" (attn.sliding_window)
     mla_refusal: str | None = None  # why `convert --to mla` refuses the family; None = converted
+    # QK-norm: the source normalises queries and keys before RoPE, "head" = per head (Qwen3, Gemma-3),
+    # "all" = over all heads at once (OLMo-2); such families convert to the exact `attnkit` MLA format
+    qk_norm: str | None = None
+    native_refusal: str | None = None  # why `--format deepseek_v3` cannot express the rest of the model
 
     def module(self):
         return importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
@@ -71,9 +75,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         "and final-logit softcapping, which a DeepSeek-V3 checkpoint cannot express")),
     Family("gemma3", "Gemma3", attention=None, mla_refusal=(
         "Gemma-3 has QK-norm and sandwich norms, which a DeepSeek-V3 checkpoint cannot express")),
-    Family("qwen3", "Qwen3", attention=None, mla_refusal=(
-        "Qwen3 applies a per-head RMSNorm to keys (QK-norm) before RoPE; MLA keys are linear in the "
-        "normalised latent, so the per-head key norm cannot be expressed")),
+    Family("qwen3", "Qwen3", attention=None, qk_norm="head", sliding_window="module", mlp_bias=False),
     Family("olmo2", "Olmo2", attention=None, mla_refusal=(
         "OLMo-2 applies RMSNorm to the full query/key projections (QK-norm) and normalises after the "
         "sublayers, which a DeepSeek-V3 checkpoint cannot express")),

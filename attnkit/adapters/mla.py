@@ -17,13 +17,18 @@ unchanged); `model.generate` then uses it with a standard `DynamicCache` whose l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-from attnkit.errors import AttnkitError
+try:
+    from attnkit.errors import AttnkitError
+except ImportError:  # shipped inside an attnkit-format checkpoint (auto_map), where attnkit may be absent
+    AttnkitError = ValueError
 
 MODES = ("auto", "absorbed", "expanded")
 # calls with at most this many new tokens fold the heads into query rows (decode, short chunks)
@@ -189,17 +194,87 @@ def expanded_cost(q_len: int, kv_len: int, heads: int, rank: int, rope: int, d_n
     return kv_len * rank * heads * (d_nope + d_v) + q_len * kv_len * heads * (d_nope + rope + max(d_nope + rope, d_v))
 
 
+@dataclass(frozen=True)
+class LatentDims:
+    """The sizes the absorbed and expanded paths need: heads, latent r, shared RoPE key d_r, d_nope, d_v."""
+
+    heads: int
+    rank: int
+    rope: int
+    d_nope: int
+    d_v: int
+
+
+def use_absorbed(mode: str, q_len: int, kv_len: int, dims: LatentDims) -> bool:
+    """The per-call rule: in `auto`, the path with fewer multiply-adds (see benchmarks/prefill_rule.py)."""
+    if mode != "auto":
+        return mode == "absorbed"
+    shape = (dims.heads, dims.rank, dims.rope, dims.d_nope, dims.d_v)
+    return absorbed_cost(q_len, kv_len, *shape) <= expanded_cost(q_len, kv_len, *shape)
+
+
+def absorbed_output(q_nope, q_rot, fused, kv_b: torch.Tensor, dims: LatentDims, scaling: float, mask) -> torch.Tensor:
+    """Attention in latent space: q_nope [B, H, Q, d_nope] absorbed through W_UK, the output through W_UV
+    (kv_b [H·(d_nope + d_v), r]); fused [B, S, r + d_r] → [B, Q, H, d_v]."""
+    w_uk, w_uv = split_kv_b(kv_b, dims.heads, dims.d_nope, dims.d_v)
+    q_latent = torch.einsum("bhqn,hnr->bhqr", q_nope, w_uk)  # [B, H, Q, r]
+    query = torch.cat([q_latent, q_rot], dim=-1)  # [B, H, Q, r + d_r]
+    out_latent = latent_attention(query, fused, dims.rank, scaling, mask)  # [B, H, Q, r]
+    return torch.einsum("bhqr,hvr->bqhv", out_latent, w_uv)  # [B, Q, H, d_v]
+
+
+def expanded_output(q_nope, q_rot, fused, kv_b_proj: nn.Module, dims: LatentDims, scaling: float, mask) -> torch.Tensor:
+    """transformers' math (kv_b_proj over the cache), with V zero-padded to the q/k head dim so SDPA
+    uses its fused kernel on CPU instead of materialising the [Q, S] scores. → [B, Q, H, d_v]"""
+    b, h, q_len, _ = q_nope.shape
+    kv_len = fused.shape[1]
+    # [B, S, r] → [B, S, H, d_nope + d_v] → [B, H, S, d_nope + d_v]
+    kv = kv_b_proj(fused[..., : dims.rank]).view(b, kv_len, h, -1).transpose(1, 2)
+    k_nope, value = torch.split(kv, [dims.d_nope, dims.d_v], dim=-1)
+    k_pe = fused[:, None, :, dims.rank :].expand(b, h, kv_len, -1)
+    key = torch.cat([k_nope, k_pe], dim=-1)  # [B, H, S, d_nope + d_r]
+    query = torch.cat([q_nope, q_rot], dim=-1)
+    pad = dims.d_nope + dims.rope - dims.d_v
+    if pad > 0:
+        value = F.pad(value, (0, pad))
+    elif pad < 0:
+        query, key = F.pad(query, (0, -pad)), F.pad(key, (0, -pad))
+    attn_mask, causal = sdpa_mask(mask, q_len, kv_len, q_nope.device)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=causal, scale=scaling)
+    return out[..., : dims.d_v].transpose(1, 2)  # [B, Q, H, d_v]
+
+
+def latent_output(module: nn.Module, q_nope, q_rot, fused, mask) -> torch.Tensor:
+    """The attention output [B, Q, H, d_v] of a latent-attention module (`attnkit_mode`, `latent_dims`,
+    `kv_b_proj`, `scaling`) by the path the per-call rule picks."""
+    dims = module.latent_dims
+    if use_absorbed(module.attnkit_mode, q_nope.shape[2], fused.shape[1], dims):
+        return absorbed_output(q_nope, q_rot, fused, module.kv_b_proj.weight, dims, module.scaling, mask)
+    return expanded_output(q_nope, q_rot, fused, module.kv_b_proj, dims, module.scaling, mask)
+
+
+def cached_latent(cache: Cache | None, layer_idx: int, c_kv: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
+    """Append c_kv [B, 1, Q, r] and k_rot [B, 1, Q, d_r] to the layer's latent cache; the fused latent
+    of every stored token [B, S, r + d_r] (of the new ones alone without a cache)."""
+    if cache is None:
+        return torch.cat([c_kv[:, 0], k_rot[:, 0]], dim=-1)
+    layer = latent_layer(cache, layer_idx)
+    cache.update(c_kv, k_rot, layer_idx)
+    return layer.fused()
+
+
 class AbsorbedDeepseekV3Attention(ds.DeepseekV3Attention):
     """DeepseekV3Attention with absorbed and SDPA-expanded paths; `attnkit_mode` picks per call (MODES)."""
 
     attnkit_mode = "auto"
+    attnkit_latent = True
+
+    @property
+    def latent_dims(self) -> LatentDims:
+        return LatentDims(self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
 
     def use_absorbed(self, q_len: int, kv_len: int) -> bool:
-        """The per-call rule: in `auto`, the path with fewer multiply-adds (see benchmarks/prefill_rule.py)."""
-        if self.attnkit_mode != "auto":
-            return self.attnkit_mode == "absorbed"
-        shape = (self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
-        return absorbed_cost(q_len, kv_len, *shape) <= expanded_cost(q_len, kv_len, *shape)
+        return use_absorbed(self.attnkit_mode, q_len, kv_len, self.latent_dims)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         if "past_key_values" in kwargs and cache is None:
@@ -223,51 +298,14 @@ class AbsorbedDeepseekV3Attention(ds.DeepseekV3Attention):
         cos, sin = position_embeddings
         rope = ds.apply_rotary_pos_emb_interleave if self.config.rope_interleave else ds.apply_rotary_pos_emb
         q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
-
-        if cache is not None:
-            layer = latent_layer(cache, self.layer_idx)
-            cache.update(kv_nope, k_rot, self.layer_idx)
-            fused = layer.fused()  # [B, S, r + d_r]
-        else:
-            fused = torch.cat([kv_nope[:, 0], k_rot[:, 0]], dim=-1)
-
-        if self.use_absorbed(q_len, fused.shape[1]):
-            out = self._absorbed(q_nope, q_rot, fused, attention_mask)
-        else:
-            out = self._expanded(q_nope, q_rot, fused, attention_mask)
+        fused = cached_latent(cache, self.layer_idx, kv_nope, k_rot)  # [B, S, r + d_r]
+        out = latent_output(self, q_nope, q_rot, fused, attention_mask)
         return self.o_proj(out.reshape(b, q_len, -1)), None  # out [B, Q, H, d_v]
-
-    def _absorbed(self, q_nope, q_rot, fused, mask) -> torch.Tensor:
-        w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim)
-        q_latent = torch.einsum("bhqn,hnr->bhqr", q_nope, w_uk)  # [B, H, Q, r]
-        query = torch.cat([q_latent, q_rot], dim=-1)  # [B, H, Q, r + d_r]
-        out_latent = latent_attention(query, fused, self.kv_lora_rank, self.scaling, mask)  # [B, H, Q, r]
-        return torch.einsum("bhqr,hvr->bqhv", out_latent, w_uv)  # [B, Q, H, d_v]
-
-    def _expanded(self, q_nope, q_rot, fused, mask) -> torch.Tensor:
-        """transformers' math (kv_b_proj over the cache), with V zero-padded to the q/k head dim so SDPA
-        uses its fused kernel on CPU instead of materialising the [Q, S] scores."""
-        b, h, q_len, _ = q_nope.shape
-        kv_len = fused.shape[1]
-        # [B, S, r] → [B, S, H, d_nope + d_v] → [B, H, S, d_nope + d_v]
-        kv = self.kv_b_proj(fused[..., : self.kv_lora_rank]).view(b, kv_len, h, -1).transpose(1, 2)
-        k_nope, value = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k_pe = fused[:, None, :, self.kv_lora_rank :].expand(b, h, kv_len, -1)
-        key = torch.cat([k_nope, k_pe], dim=-1)  # [B, H, S, d_nope + d_r]
-        query = torch.cat([q_nope, q_rot], dim=-1)
-        pad = self.qk_head_dim - self.v_head_dim
-        if pad > 0:
-            value = F.pad(value, (0, pad))
-        elif pad < 0:
-            query, key = F.pad(query, (0, -pad)), F.pad(key, (0, -pad))
-        attn_mask, causal = sdpa_mask(mask, q_len, kv_len, q_nope.device)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=causal, scale=self.scaling)
-        return out[..., : self.v_head_dim].transpose(1, 2)  # [B, Q, H, d_v]
 
 
 def is_mla(model: nn.Module) -> bool:
-    """Whether the model runs DeepSeek-V3 (MLA) attention modules."""
-    return any(isinstance(m, ds.DeepseekV3Attention) for m in model.modules())
+    """Whether the model runs MLA attention: DeepSeek-V3 modules or attnkit-format latent attention."""
+    return any(isinstance(m, ds.DeepseekV3Attention) or getattr(m, "attnkit_latent", False) for m in model.modules())
 
 
 def enable_absorbed(model: nn.Module, mode: str = "auto") -> nn.Module:
@@ -282,6 +320,7 @@ def enable_absorbed(model: nn.Module, mode: str = "auto") -> nn.Module:
     for module in model.modules():
         if isinstance(module, ds.DeepseekV3Attention):
             module.__class__ = AbsorbedDeepseekV3Attention
+        if getattr(module, "attnkit_latent", False):  # attnkit-format modules decode absorbed natively
             module.attnkit_mode = mode
             found += 1
     if not found:

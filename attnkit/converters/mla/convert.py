@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from attnkit.converters.common import calibration_tokens, check_device
 from attnkit.converters.mla import layer as mla
@@ -33,14 +33,16 @@ from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_e
 from attnkit.converters.mla.engines import (ANCHOR_RATIOS, KvbRefit, anchor_row, engine_attention_tensors,
                                             ladder_stride, latent_rows, norm_spread, normalised_latent,
                                             pad_value_heads, steady_mix)
-from attnkit.converters.mla.native import Target, constant_for, native_attention_tensors, target_for
+from attnkit.converters.mla.native import (Target, constant_for, native_attention_tensors, target_for,
+                                           written_attention)
+from attnkit.converters.mla.qknorm import attnkit_tensors, format_note, write_code
 from attnkit.converters.mla.refit import REFIT_ROWS, refit_stage
 from attnkit.converters.mla.report import build_report, format_report
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings
-from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, final_hidden, has_q_bias,
-                                           head_chunks, lm_head_name, load_layer, load_mlp, mlp_tensors, moment,
-                                           open_source, rope_tables, source_pe, source_scale)
+from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, final_hidden, has_q_bias, head_chunks,
+                                           layer_view, lm_head_name, load_layer, load_mlp, mlp_tensors, open_source,
+                                           rope_tables, source_pe, source_scale, view_moment)
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
@@ -88,8 +90,10 @@ def convert(args: argparse.Namespace) -> int:
     return_freed_memory()
     src = open_source(args.model)
     check_output_dir(args.out, args.force, (src.path,))
-    s = resolve_settings(args, src.shape, src.ckpt)
+    s = resolve_settings(args, src.shape, src.ckpt, src.family)
     check_device(s.device)
+    if format_note(src.family, s.format):
+        print(format_note(src.family, s.format))
     _check_disk(src.ckpt, s, Path(args.out))
     with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:
         scratch = tmp / ".scratch"
@@ -108,7 +112,10 @@ def convert(args: argparse.Namespace) -> int:
         for name in COPY_FILES:
             if (src.path / name).is_file():
                 shutil.copy2(src.path / name, tmp / name)
-        report["load"]["min_transformers"] = _write_legacy_fields(tmp)
+        if s.format == "attnkit":
+            write_code(tmp)
+        else:
+            report["load"]["min_transformers"] = _write_legacy_fields(tmp)
         (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
         write_model_card(tmp)
     print(format_report(report))
@@ -183,8 +190,10 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     shape, dev, fam = src.shape, s.device, src.family
     src_inv, src_att = source_rope(fam, src.hf_config)
     tgt_cfg = p.target.config
-    t = _Layers(p.target, torch.arange(s.seq_len, device=dev), source_pe(src, s.seq_len, dev),
-                rope_tables(DeepseekV3RotaryEmbedding(tgt_cfg), s.seq_len, shape.D, dev), src_inv, p.counts,
+    src_pe = source_pe(src, s.seq_len, dev)  # the attnkit format rotates with the source's own tables
+    t = _Layers(p.target, torch.arange(s.seq_len, device=dev), src_pe,
+                src_pe if s.format == "attnkit" else rope_tables(DeepseekV3RotaryEmbedding(tgt_cfg), s.seq_len, shape.D, dev),
+                src_inv, p.counts,
                 p.stride, s.target == "engines", dict(scale_src=source_scale(src), scale_tgt=p.target.scale, rope_src=src_att,
                      rope_tgt=p.target.attention_scaling),
                 has_q_bias(src), ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes))
@@ -226,8 +235,10 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     shape, dev, fam = src.shape, s.device, src.family
     module = load_layer(src, layer, dev, mlp=False)
     norm1, norm2 = getattr(module, fam.norms[0]), getattr(module, fam.norms[1])
-    stat = moment(module, fam, h_cal, shape, dev)
-    mom, aw = stat.value, cpu_weights(module, src)
+    view = layer_view(src, s.format, module, h_cal, t.src_pe, dev)  # QK norms lifted or folded; else plain
+    shape, attn_input = view.shape, (lambda h: view.attn_input(norm1(h)))
+    stat = view_moment(module, src, view, h_cal, dev)
+    mom, aw = stat.value, view.aw
     rope_plan = mla.plan_rope(aw, mom, shape, s.rope_dim, s.rope_method, t.src_inv, s.rope_frequencies, t.target.inv_freq,
                               t.counts, t.stride)
     split = mla.split_keys(aw, rope_plan, shape)
@@ -250,14 +261,16 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                                         map_dtype=torch.float32, centred=not t.engine, **t.kw)
                 attend, p32 = mla.attention_fn(low_p, t.positions, dev)
                 del low_p  # the native tensors are made from the fp32 copy (they are stored in <= fp32)
-                if not t.engine:  # the constant channel's size: the largest latent norm on calibration rows
-                    z_max = max(float((norm1(b.to(dev)) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax())
+                if not t.engine and s.format != "attnkit":  # the constant channel's size: the largest latent norm
+                    z_max = max(float((attn_input(b.to(dev)) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax())
                                 for _, b in h_cal.blocks(ROW_BATCH))
             elif k == "refit":
-                x = norm1(h_cal.read(0, REFIT_ROWS).to(dev))
+                x = attn_input(h_cal.read(0, REFIT_ROWS).to(dev))
                 attend, p32 = mla.attention_fn(refit_stage(mla.on_device(p32, "cpu"), aw, rope_plan, src, s.refit_query, mom, x), t.positions, dev)
             elif k == "native":
-                if t.engine:
+                if s.format == "attnkit":
+                    tensors = attnkit_tensors(mla.on_device(p32, "cpu"), src.shape, module.self_attn)
+                elif t.engine:
                     tensors, engine_info = _engine_tensors(mla.on_device(p32, "cpu"), shape, norm1, mom, h_cal, dev)
                 else:
                     tensors = native_attention_tensors(mla.on_device(p32, "cpu"), shape, constant_for(z_max, s.out_dtype),
@@ -265,12 +278,11 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                 del p32
                 tensors = pad_value_heads(tensors, shape.H, shape.d, shape.d, s.v_head_dim)
                 tensors = {n: v.to(s.out_dtype) for n, v in tensors.items()}  # what is written, and measured
-                with torch.device("meta"):
-                    native = DeepseekV3Attention(t.target.config, layer)
-                native.load_state_dict({n: v.float().to(dev) for n, v in tensors.items()}, strict=True, assign=True)
+                native = written_attention(t.target.config, layer, tensors, dev, s.format)
                 attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=None)[0]  # noqa: E731
             else:
                 attend = builders[k]()[0]
+            attend = attend if k == "native" else view.wrap(attend)  # stages run on the view's input
             layer_errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev)
             del attend
         del native, aw, mom, stat, metrics, builders
@@ -286,7 +298,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     for name, v in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
         t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
     return {"layer": layer, "beta": beta, "rope_components": {"virtual_head": rope_plan.kept_j.tolist(),
-            "frequency_index": rope_plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs, **engine_info}
+            "frequency_index": rope_plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs, **engine_info, **view.info}
 
 
 @dataclass

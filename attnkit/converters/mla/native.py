@@ -18,9 +18,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 from attnkit.sdpa import register as register_sdpa
 from attnkit.converters.mla.engines import ladder_theta
 from attnkit.converters.mla.layer import MLAParams, Shape
+from attnkit.converters.mla.qknorm import attnkit_config, attnkit_module
 from attnkit.converters.mla.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
 from attnkit.converters.mla.settings import Settings
-from attnkit.converters.mla.source import Source, has_q_bias
+from attnkit.converters.mla.source import Source, has_q_bias, source_scale
 from attnkit.errors import AttnkitError
 
 # c / max|latent| on calibration data: the norm's relative error is about (max|z| / c)^2 / 2
@@ -134,6 +135,10 @@ def target_for(src: Source, s: Settings, rope_dim: int, counts: torch.Tensor | N
     frequency, exact frequencies; `stride`: of the kept pairs, ladder frequencies)."""
     shape = src.shape
     src_inv, src_att = source_rope(src.family, src.hf_config)
+    if s.format == "attnkit":  # k_pe rotated with the source's own tables at the kept pairs; the source's scale
+        pairs = torch.arange(shape.d // 2).repeat_interleave(counts)
+        config = attnkit_config(src.hf_config, src.family, kv_lora_rank, pairs.tolist())
+        return Target(config, src_inv[pairs], src_att, source_scale(src))
     src_rope = dict(src.hf_config.rope_parameters or {})
     theta = float(src_rope.get("rope_theta", 10000.0))
     if s.rope_frequencies == "exact":
@@ -153,3 +158,13 @@ def target_for(src: Source, s: Settings, rope_dim: int, counts: torch.Tensor | N
     with torch.device("meta"):
         scale = DeepseekV3Attention(cfg, 0).scaling
     return Target(cfg, inv, att, scale)
+
+
+def written_attention(config, layer: int, tensors: dict[str, torch.Tensor], dev: str, fmt: str) -> torch.nn.Module:
+    """The written attention layer as its format runs it (fp32 on `dev`): what the `native` step measures."""
+    if fmt == "attnkit":
+        return attnkit_module(config, layer, tensors, dev)
+    with torch.device("meta"):
+        native = DeepseekV3Attention(config, layer)
+    native.load_state_dict({n: v.float().to(dev) for n, v in tensors.items()}, strict=True, assign=True)
+    return native

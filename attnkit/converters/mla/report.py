@@ -17,6 +17,11 @@ STEP_INFO = {
     "native": "DeepSeek-V3 layer as transformers runs it: latent RMSNorm with a constant channel, "
     "output dtype rounding",
 }
+# QK-norm sources: the `exact` step on the folded norms (deepseek_v3) or the lifted input (attnkit)
+FOLDED_EXACT = ("QK norms folded into q_proj/k_proj as their weights times one least-squares constant per query "
+                "head (lossy: the norm step alone), then GQA as MLA")
+LIFTED_EXACT = "GQA as MLA on the normalised keys and the values: the latent is written after the source's key norm"
+ATTNKIT_NATIVE = "the attnkit format as it runs (latent from the normalised keys, no latent norm), output dtype rounding"
 ENGINE_NATIVE = ("DeepSeek-V3 layer in the engine form (no biases, interleaved RoPE, q latent of rank D): latent "
                  "RMSNorm linear through its epsilon, residual stream scaled, output dtype rounding")
 
@@ -30,22 +35,27 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
     itemsize = s.out_dtype.itemsize
     full_rope = s.rope_dim == shape.G * shape.d and s.rope_frequencies == "exact"
     data_rank = 2 * shape.G * shape.d - s.rope_dim
-    exact = {"exact": True, "rope": full_rope, "balance": True, "low-rank": s.data_rank >= data_rank,
+    qk = src.family.qk_norm is not None
+    folded = qk and s.format == "deepseek_v3"
+    exact = {"exact": not folded, "rope": full_rope, "balance": True, "low-rank": s.data_rank >= data_rank,
              "refit": full_rope, "native": False}
     steps = []
+    what_of = {**STEP_INFO, **({"exact": FOLDED_EXACT} if folded else {}), **({"native": ENGINE_NATIVE} if s.target == "engines" else {}),
+               **({"exact": LIFTED_EXACT, "native": ATTNKIT_NATIVE} if s.format == "attnkit" else {})}
     for name, m in metrics.items():
-        what = ENGINE_NATIVE if name == "native" and s.target == "engines" else STEP_INFO[name]
+        what = what_of[name]
         steps.append({"name": name, "exact": exact[name], "what": what,
                       "attn_rel_err_mean": attn_err[name].mean, "attn_rel_err_max": attn_err[name].max, **m})
-    lossy = [n for n in ("rope", "low-rank") if not exact[n]]
+    lossy = [n for n in ("exact", "rope", "low-rank") if not exact[n]]
     return {
         "attnkit_version": __version__,
         "method": "mla",
         "source": source_info(src.path, src.config.get("model_type")),
         "settings": s.public(),
-        "target": {"model_type": "deepseek_v3", "kv_lora_rank": s.kv_lora_rank, "qk_rope_head_dim": s.rope_dim,
-                   "q_lora_rank": tgt_cfg.q_lora_rank, "rope_parameters": tgt_cfg.rope_parameters,
-                   "v_head_dim": s.v_head_dim, "constant_channel": s.target != "engines", "form": s.target},
+        "target": {"model_type": tgt_cfg.model_type, "kv_lora_rank": s.kv_lora_rank, "qk_rope_head_dim": s.rope_dim,
+                   "q_lora_rank": getattr(tgt_cfg, "q_lora_rank", None), "rope_parameters": tgt_cfg.rope_parameters,
+                   "v_head_dim": s.v_head_dim, "constant_channel": s.target != "engines" and s.format != "attnkit",
+                   "form": "attnkit" if s.format == "attnkit" else s.target, "format": s.format},
         "kv_cache_bytes_per_token": {"before": kv_bytes(layers, 2 * shape.G * shape.d, itemsize),
                                      "after": kv_bytes(layers, s.kv_lora_rank + s.rope_dim, itemsize),
                                      "dtype": short_dtype(s.out_dtype)},  # the output's dtype, as eval/bench count it
@@ -53,14 +63,22 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
         "steps": steps,
         "lossy_steps": lossy,
         "ppl": {"before": src_ppl, "after": metrics["native"]["ppl"]},
-        "load": {"trust_remote_code": False, "rope_frequencies": s.rope_frequencies, "needs": _needs(s)},
-        "serving": engine_support(s.kv_lora_rank, s.rope_dim, shape.d, s.v_head_dim, s.target, s.rope_frequencies),
+        "load": {"trust_remote_code": s.format == "attnkit", "rope_frequencies": s.rope_frequencies, "needs": _needs(s)},
+        "serving": ATTNKIT_SERVING if s.format == "attnkit" else
+        engine_support(s.kv_lora_rank, s.rope_dim, shape.d, s.v_head_dim, s.target, s.rope_frequencies),
+        **({"qk_norm_fold": {k: metrics["exact"][k] for k in ("kl", "ppl", "logits_rel_err_mean")}} if folded else {}),
         "calibration": {"source": s.calib, "tokens": s.calib_tokens, "seq_len": s.seq_len},
         "layers": per_layer,
     }
 
 
+ATTNKIT_SERVING = {"transformers": "yes, with trust_remote_code=True (or after `import attnkit`)",
+                   "llama.cpp, vLLM, SGLang": "no: custom attention (--format deepseek_v3 writes a plain checkpoint)"}
+
+
 def _needs(s) -> str:
+    if s.format == "attnkit":
+        return "transformers >= 5 with trust_remote_code=True (the attnkit MLA code ships in the folder)"
     if s.target == "engines":
         return "any DeepSeek-V3 engine: transformers, llama.cpp, vLLM, SGLang (no biases, plain RoPE ladder)"
     if s.rope_frequencies == "exact":
@@ -83,6 +101,9 @@ def format_report(report: dict) -> str:
     lines = format_steps(report)
     lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
                  f"(RoPE frequencies: {report['load']['rope_frequencies']})")
+    if report.get("qk_norm_fold"):
+        f = report["qk_norm_fold"]
+        lines.append(f"QK-norm fold (lossy, step exact): ppl {report['ppl']['before']:.4f} -> {f['ppl']:.4f}, KL {f['kl']:.4f}")
     if report.get("serving"):
         lines.append("runs in: " + "; ".join(f"{k} {v}" for k, v in report["serving"].items()))
     if report.get("kv_budget"):

@@ -28,13 +28,14 @@ class Settings(StreamSettings):
     kv_budget: float | None = None  # fraction of the source's KV bytes; the split is then measured
     target: str = "transformers"  # engines: within llama.cpp / vLLM / SGLang; transformers: exact there only
     v_head_dim: int = 0  # value head size written (>= head_dim, zero-padded); 0 before resolve_settings
+    format: str = "deepseek_v3"  # deepseek_v3 | attnkit (QK norms before the latent, custom code)
     PRIVATE: ClassVar[tuple[str, ...]] = (*StreamSettings.PRIVATE, "src_itemsize")
 
     @property
     def data_rank(self) -> int:
         """Latent channels that carry data: one carries the latent norm's constant (transformers
-        target) or its anchor (engine target)."""
-        return self.kv_lora_rank - 1
+        target) or its anchor (engine target); the attnkit format has no latent norm, all carry data."""
+        return self.kv_lora_rank - (self.format != "attnkit")
 
 
 def rope_cap(shape: Shape, frequencies: str) -> int:
@@ -43,16 +44,24 @@ def rope_cap(shape: Shape, frequencies: str) -> int:
     return shape.G * shape.d if frequencies == "exact" else shape.d
 
 
-def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt) -> Settings:
+def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, family=None) -> Settings:
     if shape.d % 2:
         raise AttnkitError(f"head_dim {shape.d} is odd: rotate-half RoPE needs an even head dim")
-    target = getattr(args, "target", None) or "transformers"
+    fmt = output_format(args, family)
+    # the attnkit format rotates k_pe with the source's own tables: any component, exact frequencies
+    target = "transformers" if fmt == "attnkit" else getattr(args, "target", None) or "transformers"
+    if fmt == "attnkit" and args.rope_frequencies not in (None, "exact"):
+        raise AttnkitError("--format attnkit rotates the shared RoPE key at the source's own frequencies; "
+                           f"--rope-frequencies {args.rope_frequencies} applies to --format deepseek_v3 only")
     frequencies = args.rope_frequencies or ("ladder" if target == "engines" else "exact")
     if target == "engines" and frequencies == "exact":
         raise AttnkitError("--rope-frequencies exact writes longrope factors, which llama.cpp and vLLM do not apply "
                            "to DeepSeek models; use it with --target transformers, or ladder/geometric")
     cap = rope_cap(shape, frequencies)
     budget = getattr(args, "kv_budget", None)
+    if fmt == "attnkit" and (budget is not None or getattr(args, "v_head_dim", None)):
+        raise AttnkitError("--kv-budget and --v-head-dim are not available with --format attnkit; "
+                           "give --kv-lora-rank and --rope-dim")
     if budget is not None:
         _check_budget(args, shape, budget)
     if args.rope_dim is None:
@@ -62,14 +71,15 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt) -> Settings:
         where = "G*head_dim" if frequencies == "exact" else f"head_dim, --rope-frequencies {frequencies}"
         if rope_dim <= 0 or rope_dim % 2 or rope_dim > cap:
             raise AttnkitError(f"--rope-dim must be even and in 2..{cap} ({where} of this model), got {rope_dim}")
-    top = max_rank(shape, rope_dim)
+    top = max_rank(shape, rope_dim) - (fmt == "attnkit")  # no latent-norm channel to count
     if args.kv_lora_rank is None:
         rank = min(DEFAULT_RANK, top)
     else:
         rank = args.kv_lora_rank
         if rank < 2 or rank > top:
             raise AttnkitError(
-                f"--kv-lora-rank must be in 2..{top} (2*G*head_dim - rope_dim + 1 norm channel), got {rank}"
+                f"--kv-lora-rank must be in 2..{top} (2*G*head_dim - rope_dim"
+                f"{'' if fmt == 'attnkit' else ' + 1 norm channel'}), got {rank}"
             )
     v_head_dim = getattr(args, "v_head_dim", None) or shape.d
     if v_head_dim < shape.d:
@@ -80,8 +90,21 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt) -> Settings:
         objective=getattr(args, "objective", None) or "attention", **stream_fields(args, src_dtype),
         src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
         refit_query=getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off",
-        kv_budget=budget, target=target, v_head_dim=v_head_dim,
+        kv_budget=budget, target=target, v_head_dim=v_head_dim, format=fmt,
     )
+
+
+def output_format(args: argparse.Namespace, family) -> str:
+    """--format, or the default: attnkit for a QK-norm source (exact), deepseek_v3 otherwise."""
+    fmt = getattr(args, "format", None)
+    if family is None or family.qk_norm is None:
+        return "deepseek_v3"  # without QK norms the attnkit format is the DeepSeek-V3 one
+    if fmt is None:
+        return "attnkit"
+    if fmt == "deepseek_v3" and family.native_refusal:
+        raise AttnkitError(f"cannot write {family.model_type} as a plain DeepSeek-V3 checkpoint: {family.native_refusal}; "
+                           "use --format attnkit")
+    return fmt
 
 
 def _check_budget(args: argparse.Namespace, shape: Shape, budget: float) -> None:

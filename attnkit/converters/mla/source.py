@@ -19,6 +19,7 @@ from attnkit.adapters.families import Family
 from attnkit.converters.families import describe
 from attnkit.converters.mla.layer import AttnWeights, Shape
 from attnkit.converters.mla.layer import rope_scores as layer_rope_scores
+from attnkit.converters.mla.qknorm import FOLD_ROWS, LayerView, folded_view, lifted_view
 from attnkit.converters.mla.settings import Settings
 from attnkit.converters.shapes import check_weights
 from attnkit.errors import AttnkitError
@@ -183,12 +184,36 @@ class Moment:
 
 def moment(module, family: Family, h: RowStore, shape: Shape, device: str) -> Moment:
     """E[x~ x~^T] of the attention input (after the layer's first norm) over hidden states h."""
-    stat = Moment(shape.D, device)
-    norm1 = getattr(module, family.norms[0])
+    return input_moment(getattr(module, family.norms[0]), h, shape.D, device)
+
+
+def input_moment(attn_input, h: RowStore, dim: int, device: str) -> Moment:
+    """E[x~ x~^T] of attn_input(block) [.., dim] over hidden states h."""
+    stat = Moment(dim, device)
     with torch.no_grad():
         for _, b in h.blocks(ROW_BATCH):
-            stat.add(norm1(b.to(device)))
+            stat.add(attn_input(b.to(device)))
     return stat
+
+
+def layer_view(src: Source, fmt: str, module, h: RowStore, pe: tuple, device: str) -> LayerView:
+    """What the MLA math sees of a layer (`qknorm.LayerView`): the plain attention input for a family
+    without QK norms; for one with, the norms lifted into the input (`fmt` attnkit, exact) or folded
+    into W_q / W_k with constants fitted on the first rows of h (deepseek_v3, lossy)."""
+    aw, qk = cpu_weights(module, src), src.family.qk_norm
+    if qk is None:
+        return LayerView(lambda x: x, aw, src.shape, {})
+    if fmt == "attnkit":
+        return lifted_view(module.self_attn, aw, src.shape, qk)
+    with torch.no_grad():
+        x = getattr(module, src.family.norms[0])(h.read(0, FOLD_ROWS).to(device))
+    return folded_view(module.self_attn, aw, src.shape, qk, x, pe)
+
+
+def view_moment(module, src: Source, view: LayerView, h: RowStore, device: str) -> Moment:
+    """E[x~ x~^T] of the math's input (the view's) over hidden states h."""
+    norm1 = getattr(module, src.family.norms[0])
+    return input_moment(lambda b: view.attn_input(norm1(b)), h, view.shape.D, device)
 
 
 def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path) -> list[torch.Tensor]:
@@ -201,8 +226,9 @@ def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path) ->
     scores, n_layers = [], src.config["num_hidden_layers"]
     for layer in tqdm(range(n_layers), desc="rope scores", unit="layer"):
         module = load_layer(src, layer, s.device, mlp=layer < n_layers - 1)  # the last layer's output is not read
-        mom = moment(module, src.family, h, src.shape, s.device).value
-        scores.append(layer_rope_scores(cpu_weights(module, src), mom, src.shape, s.rope_method)[1])
+        view = layer_view(src, s.format, module, h, src_pe, s.device)
+        mom = view_moment(module, src, view, h, s.device).value
+        scores.append(layer_rope_scores(view.aw, mom, view.shape, s.rope_method)[1])
         if layer < n_layers - 1:
             h.map_(through(module, src_pe), ROW_BATCH, s.device)
         del module
