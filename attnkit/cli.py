@@ -25,7 +25,7 @@ HANDLERS = {
     "tasks": "attnkit.evaluation.tasks:main",
 }
 
-MODEL_HELP = "a Hub id (owner/name), a local folder, or `reference` for the bundled model"
+MODEL_HELP = "a Hub id (owner/name), a local folder, or `reference` / `reference-qwen3` for a bundled model"
 
 
 def _int_list(text: str) -> list[int]:

@@ -190,3 +190,15 @@ def test_lifted_layer_is_the_source_attention(kv_heads, per_group, half):
         want = attn(x, position_embeddings=pe, attention_mask=None)[0]
         got = module(x, position_embeddings=pe)[0]
     assert _rel(want, got) < 1e-4
+
+
+def test_bundled_model_words_resolve_or_say_how_to_build(tmp_path, monkeypatch):
+    from attnkit.errors import AttnkitError
+    from attnkit.io import resolve
+
+    monkeypatch.setattr(resolve, "ASSETS", tmp_path)
+    with pytest.raises(AttnkitError, match="recipes/reference-qwen3.yaml"):
+        resolve.resolve_model("reference-qwen3")
+    (tmp_path / "reference-qwen3").mkdir()
+    (tmp_path / "reference-qwen3" / "config.json").write_text("{}")
+    assert resolve.resolve_model("reference-qwen3") == tmp_path / "reference-qwen3"

@@ -24,6 +24,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_load
 
 from attnkit.errors import AttnkitError
+from attnkit.io.resolve import BUNDLED
 
 CARD_FILE = "README.md"
 CONVERT_REPORT = "attnkit_report.json"
@@ -142,8 +143,10 @@ def public_name(text: Any, path: Any = None) -> str | None:
         return None
     if is_hub_id(text, path) or text == "source":
         return text
-    if text == "reference" or (isinstance(path, str) and Path(path).parts[-3:] == ("attnkit", "assets", "reference")):
-        return "reference"
+    if text in BUNDLED:
+        return text
+    if isinstance(path, str) and Path(path).parts[-3:-1] == ("attnkit", "assets") and Path(path).name in BUNDLED:
+        return Path(path).name
     return local_name(text)
 
 
@@ -321,7 +324,7 @@ def _conversion_section(convert: dict) -> str:
     method = str(convert.get("method", "?"))
     source = convert.get("source") or {}
     name = public_name(source.get("model"), source.get("path")) or "?"
-    bundled = " (attnkit's bundled reference model)" if name == "reference" else ""
+    bundled = " (attnkit's bundled reference model)" if name in BUNDLED else ""
     parts = [
         "## Conversion",
         "",

@@ -10,7 +10,10 @@ from pathlib import Path
 
 from attnkit.errors import AttnkitError
 
-REFERENCE_DIR = Path(__file__).resolve().parent.parent / "assets" / "reference"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+# the bundled pretrained models a MODEL word names, and the recipe that rebuilds each
+BUNDLED = {"reference": "recipes/reference.yaml", "reference-qwen3": "recipes/reference-qwen3.yaml"}
+REFERENCE_DIR = ASSETS / "reference"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -20,16 +23,8 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
     Hub ids go through `huggingface_hub.snapshot_download`, which honours `HF_HUB_OFFLINE`
     (then only the local cache is used) and `HF_ENDPOINT`.
     """
-    if spec == "reference":
-        if not (REFERENCE_DIR / "config.json").is_file():
-            raise AttnkitError(
-                f"the bundled reference model is missing from {REFERENCE_DIR}; "
-                "build it with `attnkit pretrain --config recipes/reference.yaml`"
-            )
-        if Path(spec).exists():  # say which one is used: the word wins over a folder of that name
-            print(f"attnkit: `reference` is the bundled model ({REFERENCE_DIR}); for the folder here, write ./reference",
-                  file=sys.stderr)
-        return REFERENCE_DIR
+    if spec in BUNDLED:
+        return _bundled(spec)
     path = Path(spec).expanduser()
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         if not path.is_dir():
@@ -38,6 +33,17 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
     if not _HUB_ID.match(spec):
         raise AttnkitError(f"{spec!r} is neither a local folder, a Hub id (owner/name) nor 'reference'")
     return _check_folder(_download(spec, revision))
+
+
+def _bundled(name: str) -> Path:
+    """A bundled model's folder (`reference`, `reference-qwen3`); the word wins over a folder of that name."""
+    folder = ASSETS / name
+    if not (folder / "config.json").is_file():
+        raise AttnkitError(f"the bundled model {name} is missing from {folder}; build it with "
+                           f"`attnkit pretrain --config {BUNDLED[name]}`")
+    if Path(name).exists():  # say which one is used
+        print(f"attnkit: `{name}` is the bundled model ({folder}); for the folder here, write ./{name}", file=sys.stderr)
+    return folder
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
