@@ -124,9 +124,9 @@ class MemoryState:
                            {k: fn(t) for k, t in self.pending.items()})
 
 
-def update_chunk(state: MemoryState, chunk: dict[str, torch.Tensor]) -> MemoryState:
-    """The memory after one full chunk of tokens (fields of PENDING, [B, H, C, ...])."""
-    co = chunk_coefficients(chunk["log_keep"], chunk["log_eta"], chunk["theta"])
+def update_chunk(state: MemoryState, chunk: dict[str, torch.Tensor], co: dict[str, torch.Tensor]) -> MemoryState:
+    """The memory after one full chunk of tokens (fields of PENDING, [B, H, C, ...]) whose
+    `chunk_coefficients` are `co`."""
     gw, gu = memory_grads(state.weights, chunk["k"], chunk["v"], [co["w"], co["u"]])
     scalar = lambda name: co[name][..., None, None]  # [B, H] -> [B, H, 1, 1]
     weights = [scalar("keep_all") * w + scalar("carry") * s - g for w, s, g in zip(state.weights, state.momentum, gw)]
@@ -139,23 +139,27 @@ def memory_read_write(state: MemoryState, queries: torch.Tensor, tokens: dict[st
     """Read `queries` [B, H, T, M] and write `tokens` (PENDING fields, [B, H, T, ...]) chunk by chunk.
 
     Chunk boundaries count from the first token the state ever saw, so reading a sequence in pieces
-    (decoding) gives what reading it at once gives. Each query reads the weights at its chunk's start."""
+    (decoding) gives what reading it at once gives. Each query reads the weights at its chunk's start.
+    Only the weight updates run chunk after chunk (each chunk's gradients are taken at the weights
+    the previous one left); the coefficients of every chunk and all the reads are batched."""
     todo = {k: torch.cat([state.pending[k], t], dim=2) if state.pending else t for k, t in tokens.items()}
-    offset = todo["k"].shape[2] - queries.shape[2]  # pending tokens before the first query
-    outputs = []
-    start = 0
-    while start < todo["k"].shape[2]:
-        end = start + chunk
-        lo, hi = max(start, offset) - offset, min(end, todo["k"].shape[2]) - offset  # query rows in this chunk
-        if hi > lo:
-            outputs.append(memory_apply(state.weights, queries[:, :, lo:hi])[0])
-        piece = {k: t[:, :, start:end] for k, t in todo.items()}
-        if piece["k"].shape[2] == chunk:
-            state = update_chunk(state, piece)
-        else:
-            state = MemoryState(state.weights, state.momentum, piece)
-        start = end
-    return torch.cat(outputs, dim=2), state
+    total = todo["k"].shape[2]
+    offset = total - queries.shape[2]  # pending tokens before the first query
+    full = total // chunk  # complete chunks, written now; the rest waits
+    chunks = {k: t[:, :, :full * chunk].unflatten(2, (full, chunk)) for k, t in todo.items()}  # [B, H, n, C, ...]
+    co = chunk_coefficients(chunks["log_keep"], chunks["log_eta"], chunks["theta"])  # each [B, H, n(, C)]
+    starts = [state.weights]  # the weights each chunk reads
+    for c in range(full):
+        state = update_chunk(state, {k: t[:, :, c] for k, t in chunks.items()}, {k: t[:, :, c] for k, t in co.items()})
+        starts.append(state.weights)
+    state = MemoryState(state.weights, state.momentum,
+                        {k: t[:, :, full * chunk:] for k, t in todo.items()} if total > full * chunk else {})
+    first, last = offset // chunk, (total - 1) // chunk  # the chunks the queries fall in
+    weights = [torch.stack([s[i] for s in starts[first:last + 1]], dim=2) for i in range(len(state.weights))]
+    lead = offset - first * chunk  # query slots before the first query in its chunk
+    padded = F.pad(queries, (0, 0, lead, (last + 1) * chunk - total))  # [B, H, (n_read)·C, M]
+    reads = memory_apply(weights, padded.unflatten(2, (last + 1 - first, chunk)))[0]  # [B, H, n_read, C, M]
+    return reads.flatten(2, 3)[:, :, lead:lead + queries.shape[2]], state
 
 
 # ---------------------------------------------------------------- masks for the window
