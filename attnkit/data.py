@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -86,10 +87,7 @@ def _iter_all(source: str, lazy: bool = False) -> Iterator[Document]:
 
 
 def _iter_tree(root: Path, prefix: str, skip_dirs: set[str], suffixes=(".py",), lazy: bool = False) -> Iterator[Document]:
-    files = sorted(
-        p for p in root.rglob("*") if p.suffix in suffixes and not skip_dirs.intersection(p.relative_to(root).parts)
-    )
-    for path in files:
+    for path in _listed(root, skip_dirs, suffixes):
         if not path.is_file():
             continue
         doc_id = prefix + path.relative_to(root).as_posix()
@@ -97,6 +95,16 @@ def _iter_tree(root: Path, prefix: str, skip_dirs: set[str], suffixes=(".py",), 
             yield Document(doc_id, None, path)
         else:
             yield from _iter_file(path, doc_id)
+
+
+def _listed(root: Path, skip_dirs: set[str], suffixes) -> list[Path]:
+    """The tree's files with one of `suffixes`, sorted, skipping `skip_dirs` without descending into
+    them (a `rglob("*")` listed every file of the standard library first: 0.7 s of CPU per call)."""
+    files = []
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if d not in skip_dirs]
+        files.extend(Path(folder) / n for n in names if os.path.splitext(n)[1] in suffixes and n not in skip_dirs)
+    return sorted(files)
 
 
 def _iter_file(path: Path, doc_id: str) -> Iterator[Document]:
