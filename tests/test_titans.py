@@ -283,3 +283,20 @@ def test_depth_zero_is_the_window_alone():
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
     sizes = {n: sum(cache_bytes(run_for_cache(window, 1, n))) for n in (6, 18)}
     assert sizes[6] == sizes[18] == 2 * 2 * 1 * 2 * 5 * 8 * 4  # layers x [K, V] x B x KV heads x (W - 1) x d x fp32
+
+
+def test_a_closed_gate_without_a_cache_skips_the_memory(monkeypatch):
+    """Ramp 0, use_cache=False: the memory is not computed (its output could not be mixed in), and the
+    logits equal those of the run that computes it for the cache."""
+    import attnkit.adapters.titans as titans
+
+    _, target = titans_model("llama", window=4, chunk=2)
+    ids = torch.randint(0, 300, (2, 11))
+    with torch.no_grad():
+        with_cache = target(input_ids=ids, use_cache=True)
+    assert all(layer.memory is not None for layer in with_cache.cache.layers)
+    calls = []
+    monkeypatch.setattr(titans, "memory_read_write", lambda *a: calls.append(1) or None)
+    with torch.no_grad():
+        assert torch.equal(target(input_ids=ids, use_cache=False).logits, with_cache.logits)
+    assert not calls

@@ -161,7 +161,8 @@ def _retrofit_forward(self, hidden_states, position_embeddings=None, attention_m
     out, weights = attention(self, q, k, v, attention_mask, **extra, **kwargs)  # out [B, T, H, d_v]
     if titans is not None:
         layer_cache = titans_cache_layer(cache, self.layer_idx)
-        out, state = titans(hidden_states, out, valid, layer_cache.memory if layer_cache is not None else None)
+        out, state = titans(hidden_states, out, valid, layer_cache.memory if layer_cache is not None else None,
+                            keep=layer_cache is not None)
         if layer_cache is not None:
             layer_cache.memory = state
     if hasattr(self, "diff"):

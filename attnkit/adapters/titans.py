@@ -245,9 +245,13 @@ class TitansMemory(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, attn_out: torch.Tensor, valid: torch.Tensor | None,
-                state: MemoryState | None) -> tuple[torch.Tensor, MemoryState]:
-        """x [B, T, D] (the attention's input), attn_out [B, T, H, d_v] -> (mixed output, new state)."""
-        if not len(self.initial):  # depth 0: no memory, no state
+                state: MemoryState | None, keep: bool = True) -> tuple[torch.Tensor, MemoryState | None]:
+        """x [B, T, D] (the attention's input), attn_out [B, T, H, d_v] -> (mixed output, new state).
+
+        With the ramp at 0 the output is `attn_out` whatever the memory holds, so when no state is
+        kept (`keep` False: no cache) the memory is not computed at all (no gradient is lost: the
+        closed gate passes none)."""
+        if not len(self.initial) or (not keep and not bool(self.ramp)):  # depth 0, or nothing to mix or keep
             return attn_out, None
         if state is None:
             state = self.initial_state(x.shape[0])
