@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from attnkit.cli import main
 
@@ -20,11 +20,12 @@ FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"
 G, D_HEAD = 2, 16
 
 
-def qwen3(seed: int = 0, **over) -> Qwen3ForCausalLM:
-    """A tiny Qwen3 with random QK-norm weights (transformers initialises them to ones)."""
+def qwen3(seed: int = 0, kind: str = "qwen3", **over) -> Qwen3ForCausalLM:
+    """A tiny Qwen3 (or OLMo-2) with random norm weights (transformers initialises them to ones)."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": G, "head_dim": D_HEAD, **over})
-    model = Qwen3ForCausalLM(cfg).eval()
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if kind == "qwen3" else (Olmo2Config, Olmo2ForCausalLM)
+    cfg = config_class(**{**COMMON, "num_attention_heads": 4, "num_key_value_heads": G, "head_dim": D_HEAD, **over})
+    model = model_class(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -34,10 +35,7 @@ def qwen3(seed: int = 0, **over) -> Qwen3ForCausalLM:
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3") / "src"
-    qwen3().save_pretrained(folder)
-    tokenizer().save_pretrained(folder)
-    return folder
+    return _saved(tmp_path_factory.mktemp("qwen3") / "src", "qwen3")
 
 
 def _convert(src, out, calib, *extra):
@@ -53,15 +51,22 @@ def _rel(a, b):
     return float((a - b).norm() / a.norm())
 
 
-def test_attnkit_format_is_exact_at_full_size_and_says_why(tmp_path, calib, src, capsys):
-    out = tmp_path / "out"
+def _saved(folder: Path, kind: str) -> Path:
+    qwen3(kind=kind).save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "olmo2"])
+def test_attnkit_format_is_exact_at_full_size_and_says_why(tmp_path, calib, kind, capsys):
+    src, out = _saved(tmp_path / "src", kind), tmp_path / "out"
     assert _convert(src, out, calib, "--rope-dim", str(G * D_HEAD), "--kv-lora-rank", str(G * D_HEAD), "--dtype", "fp32") == 0
     printed = capsys.readouterr().out
     assert "format attnkit (exact)" in printed and "trust_remote_code" in printed
     ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(0))
     assert _rel(_logits(src, ids), _logits(out, ids, trust_remote_code=True)) < 1e-4
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "attnkit_mla_qwen3" and "AutoModelForCausalLM" in cfg["auto_map"]
+    assert cfg["model_type"] == f"attnkit_mla_{kind}" and "AutoModelForCausalLM" in cfg["auto_map"]
     assert (out / "modeling_attnkit_mla.py").is_file() and (out / "mla.py").is_file()
     report = json.loads((out / "attnkit_report.json").read_text())
     assert report["target"]["format"] == "attnkit" and report["load"]["trust_remote_code"] is True
@@ -133,6 +138,15 @@ def test_llama_attnkit_format_is_the_deepseek_v3_one(tmp_path, calib):
     llama = save_model(tmp_path / "llama", "llama")
     assert _convert(llama, tmp_path / "a", calib, "--format", "attnkit", "--rope-dim", "16", "--kv-lora-rank", "17") == 0
     assert json.loads((tmp_path / "a" / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+def test_olmo2_as_deepseek_v3_is_refused_in_one_line(tmp_path, calib, capsys):
+    src = _saved(tmp_path / "src", "olmo2")
+    capsys.readouterr()
+    assert _convert(src, tmp_path / "out", calib, "--format", "deepseek_v3") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "post-norm" in err[0] and "--format attnkit" in err[0]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -21,7 +21,8 @@ class Family:
     o: str = "o_proj"
     gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # one entry = fused [gate; up]
     down: str = "down_proj"
-    norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")
+    norms: tuple[str | None, str | None] = ("input_layernorm", "post_attention_layernorm")  # attention / MLP inputs
+    post_norms: tuple[str | None, str | None] = (None, None)  # attention / MLP outputs (OLMo-2's post-norm blocks)
     embed: str = "model.embed_tokens"
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"
@@ -76,7 +77,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma3", "Gemma3", attention=None, mla_refusal=(
         "Gemma-3 has QK-norm and sandwich norms, which a DeepSeek-V3 checkpoint cannot express")),
     Family("qwen3", "Qwen3", attention=None, qk_norm="head", sliding_window="module", mlp_bias=False),
-    Family("olmo2", "Olmo2", attention=None, mla_refusal=(
-        "OLMo-2 applies RMSNorm to the full query/key projections (QK-norm) and normalises after the "
-        "sublayers, which a DeepSeek-V3 checkpoint cannot express")),
+    Family("olmo2", "Olmo2", attention=None, qk_norm="all", norms=(None, None), mlp_bias=False,
+           post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), native_refusal=(
+               "OLMo-2 normalises the attention and MLP outputs (post-norm blocks, Olmo2DecoderLayer), which the "
+               "pre-norm layers of DeepSeek-V3 cannot express")),
 )}

@@ -129,7 +129,7 @@ def expected(config: dict, family: Family) -> dict[str, Want]:
     want[f"{family.lm_head}.weight"] = Want((V, D), head_why, required=tied is False)
     for i in range(L):
         p = f"{LAYERS}{i}."
-        for norm in family.norms:
+        for norm in (n for n in (*family.norms, *family.post_norms) if n is not None):
             want[f"{p}{norm}.weight"] = Want((D,), f"hidden_size={D}")
         if family.attention == "latent":
             _latent_attention(want, config, p + "self_attn.")

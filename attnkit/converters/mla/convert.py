@@ -41,8 +41,8 @@ from attnkit.converters.mla.report import build_report, format_report
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings
 from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, final_hidden, has_q_bias, head_chunks,
-                                           layer_view, lm_head_name, load_layer, load_mlp, mlp_tensors, open_source,
-                                           rope_tables, source_pe, source_scale, view_moment)
+                                           layer_norms, layer_tensors, layer_view, lm_head_name, load_layer, load_mlp,
+                                           open_source, rope_tables, source_pe, source_scale, view_moment)
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
@@ -234,7 +234,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     its own so that everything the layer allocated is freed when it returns."""
     shape, dev, fam = src.shape, s.device, src.family
     module = load_layer(src, layer, dev, mlp=False)
-    norm1, norm2 = getattr(module, fam.norms[0]), getattr(module, fam.norms[1])
+    norm1, post1, norm2, post2 = layer_norms(module, fam)  # h + post1(attn(norm1(h))), h + post2(mlp(norm2(h)))
     view = layer_view(src, s.format, module, h_cal, t.src_pe, dev)  # QK norms lifted or folded; else plain
     shape, attn_input = view.shape, (lambda h: view.attn_input(norm1(h)))
     stat = view_moment(module, src, view, h_cal, dev)
@@ -283,19 +283,19 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
             else:
                 attend = builders[k]()[0]
             attend = attend if k == "native" else view.wrap(attend)  # stages run on the view's input
-            layer_errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev)
+            layer_errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev, post1)
             del attend
         del native, aw, mom, stat, metrics, builders
         for lo, _, y in ref.blocks(dev):
-            streams["source"].write(lo, streams["source"].read(lo, lo + ROW_BATCH).to(dev) + y)
+            streams["source"].write(lo, streams["source"].read(lo, lo + ROW_BATCH).to(dev) + post1(y))
         ref.close()
         last = layer == src.config["num_hidden_layers"] - 1  # the calibration rows are not read after it
         if not last:
-            h_cal.map_(lambda h: h + source_attn(norm1(h)), ROW_BATCH, dev)
+            h_cal.map_(lambda h: h + post1(source_attn(norm1(h))), ROW_BATCH, dev)
         load_mlp(module, src, layer, dev)
         for store in (*streams.values(), *(() if last else (h_cal,))):
-            store.map_(lambda h: h + module.mlp(norm2(h)), ROW_BATCH, dev)
-    for name, v in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **mlp_tensors(module, fam)}.items():
+            store.map_(lambda h: h + post2(module.mlp(norm2(h))), ROW_BATCH, dev)
+    for name, v in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **layer_tensors(module, fam, s.format)}.items():
         t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
     return {"layer": layer, "beta": beta, "rope_components": {"virtual_head": rope_plan.kept_j.tolist(),
             "frequency_index": rope_plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs, **engine_info, **view.info}
@@ -327,14 +327,15 @@ class SourceAttention:
         self.inputs.close(), self.outputs.close()
 
 
-def measure_stage(attend, ref: SourceAttention, norm1, stream: RowStore, stat: ErrorStat, dev: str) -> float:
+def measure_stage(attend, ref: SourceAttention, norm1, stream: RowStore, stat: ErrorStat, dev: str,
+                  post1=lambda y: y) -> float:
     """A stage's attention error on the source's inputs; its own stream gets its attention residual
     (the MLP half of the layer follows for every stream together)."""
     errs = []
     for lo, x_src, y_src in ref.blocks(dev):
         errs.append(relative_errors(attend(x_src), y_src))
         h = stream.read(lo, lo + ROW_BATCH).to(dev)
-        stream.write(lo, h + attend(norm1(h)))
+        stream.write(lo, h + post1(attend(norm1(h))))
     e = torch.cat(errs)
     stat.add(e)
     return float(e.mean())

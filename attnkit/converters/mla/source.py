@@ -132,6 +132,14 @@ def cpu_weights(module, src: Source) -> AttnWeights:
                              (aw.wq, aw.wk, aw.wv, aw.wo, aw.bq, aw.bk, aw.bv, aw.bo)))
 
 
+def layer_tensors(module: torch.nn.Module, family: Family, fmt: str) -> dict[str, torch.Tensor]:
+    """A layer's tensors besides its attention, as the output names them: the source's own names in
+    the attnkit format (the source's decoder layer runs it), DeepSeek-V3's otherwise."""
+    if fmt == "attnkit":
+        return {n: v.detach() for n, v in module.state_dict().items() if not n.startswith("self_attn.")}
+    return mlp_tensors(module, family)
+
+
 def mlp_tensors(module: torch.nn.Module, family: Family) -> dict[str, torch.Tensor]:
     mlp = module.mlp
     if len(family.gate_up) == 1:
@@ -182,9 +190,16 @@ class Moment:
         return self.sum.cpu()
 
 
+def layer_norms(module, family: Family) -> tuple:
+    """(attention input, attention output, MLP input, MLP output) norms of a decoder layer, identity
+    where the family has none: h + post1(attn(norm1(h))), then h + post2(mlp(norm2(h)))."""
+    pick = lambda name: torch.nn.Identity() if name is None else getattr(module, name)  # noqa: E731
+    return (pick(family.norms[0]), pick(family.post_norms[0]), pick(family.norms[1]), pick(family.post_norms[1]))
+
+
 def moment(module, family: Family, h: RowStore, shape: Shape, device: str) -> Moment:
     """E[x~ x~^T] of the attention input (after the layer's first norm) over hidden states h."""
-    return input_moment(getattr(module, family.norms[0]), h, shape.D, device)
+    return input_moment(layer_norms(module, family)[0], h, shape.D, device)
 
 
 def input_moment(attn_input, h: RowStore, dim: int, device: str) -> Moment:
@@ -206,13 +221,13 @@ def layer_view(src: Source, fmt: str, module, h: RowStore, pe: tuple, device: st
     if fmt == "attnkit":
         return lifted_view(module.self_attn, aw, src.shape, qk)
     with torch.no_grad():
-        x = getattr(module, src.family.norms[0])(h.read(0, FOLD_ROWS).to(device))
+        x = layer_norms(module, src.family)[0](h.read(0, FOLD_ROWS).to(device))
     return folded_view(module.self_attn, aw, src.shape, qk, x, pe)
 
 
 def view_moment(module, src: Source, view: LayerView, h: RowStore, device: str) -> Moment:
     """E[x~ x~^T] of the math's input (the view's) over hidden states h."""
-    norm1 = getattr(module, src.family.norms[0])
+    norm1 = layer_norms(module, src.family)[0]
     return input_moment(lambda b: view.attn_input(norm1(b)), h, view.shape.D, device)
 
 
