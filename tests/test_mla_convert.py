@@ -107,11 +107,11 @@ def test_bad_settings(tmp_path, calib, llama, capsys, extra, message):
 
 
 def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, llama, capsys, monkeypatch):
-    from transformers import Olmo2Config, Olmo2ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    Olmo2ForCausalLM(Olmo2Config(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1, vocab_size=100)).save_pretrained(tmp_path / "olmo2")
-    assert _convert(tmp_path / "olmo2", tmp_path / "o", calib) == 2
+    Gemma3ForCausalLM(Gemma3TextConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16, vocab_size=100)).save_pretrained(tmp_path / "g3")
+    assert _convert(tmp_path / "g3", tmp_path / "o", calib) == 2
     assert "QK-norm" in capsys.readouterr().err
     src = llama
     before = tree_digest(src)
@@ -136,7 +136,7 @@ def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, l
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(pipe, "mlp_tensors", interrupt)
+    monkeypatch.setattr(pipe, "layer_tensors", interrupt)
     assert _convert(src, tmp_path / "o", calib) == 130
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.attnkit-tmp-*"))
     assert tree_digest(src) == before

@@ -74,8 +74,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma2", "Gemma2", attention=None, mla_refusal=(
         "Gemma-2 has sandwich norms (post-attention/post-feedforward RMSNorm), attention-logit softcapping "
         "and final-logit softcapping, which a DeepSeek-V3 checkpoint cannot express")),
-    Family("gemma3", "Gemma3", attention=None, mla_refusal=(
-        "Gemma-3 has QK-norm and sandwich norms, which a DeepSeek-V3 checkpoint cannot express")),
+    *(Family(name, "Gemma3", attention=None, mla_refusal=(
+        "Gemma-3 (QK-norm, sandwich norms, scaled embeddings, sliding-window layers) is not converted yet: a "
+        "DeepSeek-V3 checkpoint cannot express it and attnkit's MLA format for QK-norm families does not cover "
+        "its layers")) for name in ("gemma3", "gemma3_text")),
     Family("qwen3", "Qwen3", attention=None, qk_norm="head", sliding_window="module", mlp_bias=False),
     Family("olmo2", "Olmo2", attention=None, qk_norm="all", norms=(None, None), mlp_bias=False,
            post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), native_refusal=(
