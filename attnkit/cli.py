@@ -48,7 +48,7 @@ def _add_convert(sub) -> None:
         "  attnkit convert --to dex reference -o out/ref-dex --heads auto\n"
         "  attnkit convert --to gqa reference -o out/ref-mqa --kv-heads 1",
     )
-    p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex", "titans", "gqa"], help="target attention")
+    p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex", "titans", "mla+titans", "gqa"], help="target attention")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must be empty or absent)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
@@ -93,6 +93,7 @@ def _add_convert(sub) -> None:
     mla.add_argument("--v-head-dim", type=int, default=None, metavar="N", help="value head size written, >= head_dim: zero-padded, exact, the cache unchanged (e.g. 128 for a head_dim-64 source, which vLLM's CUDA prefill kernels need); default head_dim")
     mla.add_argument("--objective", choices=["kv", "attention"], default="attention", help="latent PCA metric: kv = balanced K/V energy; attention = query-weighted keys, o_proj-weighted values")
     mla.add_argument("--eval-tokens", type=int, default=4096, metavar="N", help="held-out tokens for the per-step error report")
+    mla.add_argument("--report", choices=["steps", "final"], default="steps", help="steps: run every conversion step end to end on the held-out text (the per-step table); final: only the written model (same tensors; with QK norms folded also the norm step), faster")
     mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, --rope-dim) split is chosen by measuring candidate conversions on held-out text")
     mla.add_argument("--refit-query", action=argparse.BooleanOptionalAction, default=True, help="least-squares refit of the NoPE query to the source's RoPE'd scores (report stage 'refit'; default on, measured better)")
     mla.add_argument("--refit-weights", choices=["attention", "uniform"], default="attention", help="distances the refit averages RoPE over: the source's attention mass, or uniform over causal pairs")

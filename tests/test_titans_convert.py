@@ -50,8 +50,13 @@ def test_memory_starts_from_the_layers_projections(tmp_path, capsys, calib, llam
     out = tmp_path / "out"
     assert convert_cli("titans", llama_src, out, calib, "--window", "32", "--chunk", "4") == 0
     state = json.loads((out / "attnkit_report.json").read_text())["titans"]["state_bytes"]
+    printed = capsys.readouterr().out
     assert f"Titans: window 32, chunk 4, memory depth 2 x dim 8; whole cache after a forward pass (fp32): " \
-           f"{state['bytes'][0]:,} B at 32" in capsys.readouterr().out
+           f"{state['bytes'][0]:,} B at 32" in printed
+    # the per-token KV line and the model card say the state is bounded, with the bytes
+    assert f"bounded: the last 31 tokens' keys/values per layer + the memory" in printed
+    assert f"The state is bounded: the last 31 tokens' keys/values" in (out / "README.md").read_text()
+    assert f"{state['bytes'][-1]:,} B at 128" in (out / "README.md").read_text()
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     attn = model.model.layers[1].self_attn
     heads, d = model.config.num_attention_heads, model.config.head_dim
@@ -119,3 +124,24 @@ def test_bench_reports_a_state_that_stops_growing_at_the_window(tmp_path, calib,
     source = {r["context"]: r["kv_cache_bytes"] for r in result["models"]["baseline"]["results"]}
     assert titans[4] < titans[8] == titans[16] == titans[32] == titans[64]
     assert source[64] == 8 * source[8]  # the source's grows with every token
+
+
+@pytest.mark.slow
+def test_mla_plus_titans_composes(tmp_path, calib, llama_src):
+    """`--to mla+titans`: MLA, then Titans on its DeepSeek-V3 output; gate closed and W >= the rows,
+    the written model equals the MLA step's (report: exact), the report speaks of the user's model,
+    and it generates with the bounded cache."""
+    from attnkit.adapters.titans import TitansCache
+
+    out = tmp_path / "mla-titans"
+    assert convert_cli("mla+titans", llama_src, out, calib, "--window", "32", "--chunk", "4") == 0
+    report = json.loads((out / "attnkit_report.json").read_text())
+    assert report["method"] == "mla+titans" and report["source"]["model_type"] == "llama"
+    assert report["steps"][-1]["exact"] is True and len(report["steps"]) > 1
+    assert report["titans"]["memory_qkv_init"] == "seeded random"  # latent attention: no q/k/v to copy
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert model.config.attnkit["base_model_type"] == "deepseek_v3"
+    gen = model.generate(input_ids=torch.randint(2, 300, (2, 40)), max_new_tokens=3, do_sample=False,
+                         return_dict_in_generate=True, pad_token_id=0)
+    assert isinstance(gen.past_key_values, TitansCache)
+    assert not list(tmp_path.glob("*scratch*")) and not list(tmp_path.glob(".*"))

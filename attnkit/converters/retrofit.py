@@ -129,6 +129,29 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
 
 
 @torch.no_grad()
+def retrofit_after_mla(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: InitFn | None = None,
+                       convert_mla: Callable[[argparse.Namespace], int] | None = None) -> int:
+    """`--to mla+<method>`: MLA first (`convert_mla`, default the MLA driver, into a scratch folder
+    beside OUT that a killed run's successor removes), then the retrofit on its DeepSeek-V3 output;
+    the report's "before" is the user's model."""
+    import copy
+
+    from attnkit.io.checkpoint import scratch_dir
+
+    if convert_mla is None:
+        from attnkit.converters.mla.convert import convert as convert_mla
+
+    original = resolve_model(args.model)
+    check_output_dir(args.out, args.force, (original,))
+    with scratch_dir(args.out) as scratch:
+        mla_out = scratch / "mla"
+        mla_args = copy.copy(args)
+        mla_args.to, mla_args.out, mla_args.force = "mla", str(mla_out), False
+        convert_mla(mla_args)
+        prior = json.loads((mla_out / "attnkit_report.json").read_text())
+        return retrofit(args, method, fields_for, init, source_path=mla_out, prior=prior, original_path=original)
+
+
 def calibrate(model, rows: torch.Tensor, device: torch.device) -> dict:
     """Per layer and head: mean normalised attention entropy and mean RMS of the head output."""
     layers = model.config.num_hidden_layers
@@ -252,6 +275,10 @@ def _summary(report: dict, out: str) -> str:
         f"ppl {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f} ({report['ppl']['split']})",
         "  " + kv_change(report["kv_cache_bytes_per_token"]),  # before: the user's model, also for mla+dex
     ]
+    if "titans" in report:
+        from attnkit.converters.titans.settings import bounded_state_note
+
+        lines[-1] += f"; {bounded_state_note(report['titans'])}"
     if "heads" in report:
         sel = report["heads"]["selected"]
         lines.append(f"  DEX heads per layer: {[len(s) for s in sel]} of {report['heads']['num_heads']} ({report['heads']['rule']})")

@@ -12,6 +12,7 @@ PIPELINES = {
     "diff": "attnkit.converters.diff.convert:convert_diff",
     "mla+dex": "attnkit.converters.dex.convert:convert_mla_dex",
     "titans": "attnkit.converters.titans.convert:convert_titans",
+    "mla+titans": "attnkit.converters.titans.convert:convert_mla_titans",
     "gqa": "attnkit.converters.gqa.convert:convert",
 }
 

@@ -1,4 +1,4 @@
-"""`attnkit convert --to titans`: the shared in-place retrofit (`converters/retrofit.py`) with Titans'
+"""`attnkit convert --to titans` and `--to mla+titans`: the shared in-place retrofit (`converters/retrofit.py`) with Titans'
 fields, the memory projections started from the layer's own q/k/v, and the state measured at a few
 context lengths (it must stop growing at the window)."""
 
@@ -9,21 +9,33 @@ import argparse
 import torch
 
 from attnkit.adapters.families import FAMILIES
-from attnkit.converters.retrofit import ANNEAL_FRACTION, retrofit
+from attnkit.converters.retrofit import ANNEAL_FRACTION, retrofit, retrofit_after_mla
 from attnkit.converters.titans.settings import check_settings, head_sizes, memory_projections_from, titans_config_fields
 from attnkit.evaluation.kv import cache_bytes, run_for_cache
 from attnkit.io.resolve import check_causal_lm, resolve_model
 
 
 def convert_titans(args: argparse.Namespace) -> int:
+    return retrofit(args, "titans", _checked_fields(args), _init_memory)
+
+
+def convert_mla_titans(args: argparse.Namespace) -> int:
+    """MLA first, then Titans on its DeepSeek-V3 output: the settings are checked against the user's
+    model before the long MLA step (MLA keeps its context, hidden size and value head size)."""
+    return retrofit_after_mla(args, "mla+titans", _checked_fields(args), _init_memory)
+
+
+def _checked_fields(args: argparse.Namespace):
+    """The retrofit's fields callback, after refusing bad settings before any work (a model of
+    another family: the retrofit says why)."""
     config = check_causal_lm(resolve_model(args.model))
     if config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].attention:
-        _settings(args, config)  # refuse bad settings before any work (other models: retrofit says why)
+        _settings(args, config)
 
     def fields(args: argparse.Namespace, stats: dict, model_type: str, layers: int) -> tuple[dict, dict]:
         return titans_config_fields(_settings(args, config), ANNEAL_FRACTION, model_type), {}
 
-    return retrofit(args, "titans", fields, _init_memory)
+    return fields
 
 
 def _settings(args: argparse.Namespace, config: dict) -> dict:
