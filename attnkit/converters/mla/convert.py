@@ -182,6 +182,7 @@ class _Layers:
     kw: dict  # scales and RoPE attention factors of build_stage
     q_bias: bool
     writer: ShardedWriter
+    built: tuple[str, ...]  # the stages this run builds (a measured stage is also in the streams)
 
 
 def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
@@ -196,10 +197,11 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
                 src_inv, p.counts,
                 p.stride, s.target == "engines", dict(scale_src=source_scale(src), scale_tgt=p.target.scale, rope_src=src_att,
                      rope_tgt=p.target.attention_scaling),
-                has_q_bias(src), ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes))
+                has_q_bias(src), ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes),
+                STAGES if s.refit_query == "off" else REFIT_STAGES)
     h_cal = embedded(src, p.calib, scratch / "calib.f32")
     h0 = embedded(src, p.held_out, scratch / "source.f32")
-    stages = STAGES if s.refit_query == "off" else REFIT_STAGES
+    stages = measured_stages(t.built, s.report, fam.qk_norm is not None and s.format == "deepseek_v3")
     streams = {"source": h0, **{k: h0.copy(scratch / f"{k}.f32") for k in stages}}
     attn_err = {k: ErrorStat() for k in stages}
     per_layer = []
@@ -223,6 +225,15 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     if s.rope_frequencies == "ladder":
         report["target"]["rope_stride"] = p.stride
     return report
+
+
+def measured_stages(built: tuple[str, ...], report: str, folded: bool) -> tuple[str, ...]:
+    """The stages run end to end on the held-out text: all of them (`--report steps`), or only the
+    written model (`final`; with QK norms folded also `exact`, the norm step's loss, never silent).
+    The tensors do not depend on it: what the output needs is built either way."""
+    if report == "steps":
+        return built
+    return tuple(k for k in built if k == "native" or (k == "exact" and folded))
 
 
 def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowStore,
@@ -255,7 +266,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     layer_errs, engine_info = {}, {}
     with torch.no_grad():
         ref = SourceAttention.of(source_attn, norm1, streams["source"], dev)
-        for k in [k for k in REFIT_STAGES if k in streams]:  # the stages this run measures, in order
+        for k in [k for k in t.built if k in streams or k not in builders]:  # in order; report-only stages if measured
             if k == "low-rank":
                 low_p = mla.build_stage(aw, rope_plan, shape, mom, beta=beta, metrics=metrics, rank=s.data_rank,
                                         map_dtype=torch.float32, centred=not t.engine, **t.kw)
@@ -283,7 +294,8 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
             else:
                 attend = builders[k]()[0]
             attend = attend if k == "native" else view.wrap(attend)  # stages run on the view's input
-            layer_errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev, post1)
+            if k in streams:
+                layer_errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev, post1)
             del attend
         del native, aw, mom, stat, metrics, builders
         for lo, _, y in ref.blocks(dev):

@@ -101,6 +101,8 @@ def format_report(report: dict) -> str:
     lines = format_steps(report)
     lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
                  f"(RoPE frequencies: {report['load']['rope_frequencies']})")
+    if report["settings"].get("report") == "final":
+        lines.append("--report final: the intermediate steps were not measured (--report steps measures each)")
     if report.get("qk_norm_fold"):
         f = report["qk_norm_fold"]
         lines.append(f"QK-norm fold (lossy, step exact): ppl {report['ppl']['before']:.4f} -> {f['ppl']:.4f}, KL {f['kl']:.4f}")

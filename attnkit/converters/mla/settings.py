@@ -29,6 +29,7 @@ class Settings(StreamSettings):
     target: str = "transformers"  # engines: within llama.cpp / vLLM / SGLang; transformers: exact there only
     v_head_dim: int = 0  # value head size written (>= head_dim, zero-padded); 0 before resolve_settings
     format: str = "deepseek_v3"  # deepseek_v3 | attnkit (QK norms before the latent, custom code)
+    report: str = "steps"  # steps: every step measured end to end; final: the written model only
     PRIVATE: ClassVar[tuple[str, ...]] = (*StreamSettings.PRIVATE, "src_itemsize")
 
     @property
@@ -90,7 +91,7 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, family=None) 
         objective=getattr(args, "objective", None) or "attention", **stream_fields(args, src_dtype),
         src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
         refit_query=getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off",
-        kv_budget=budget, target=target, v_head_dim=v_head_dim, format=fmt,
+        kv_budget=budget, target=target, v_head_dim=v_head_dim, format=fmt, report=getattr(args, "report", "steps"),
     )
 
 
