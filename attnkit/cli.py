@@ -102,7 +102,7 @@ def _add_convert(sub) -> None:
     titans.add_argument("--chunk", type=int, default=16, metavar="C", help="tokens the memory reads per update, <= W (default 16)")
     titans.add_argument("--memory-depth", type=int, default=2, metavar="N", help="layers of the memory MLP (default 2; 0 = the window alone, no memory: the baseline)")
     titans.add_argument("--memory-dim", type=int, default=None, metavar="M", help="memory key/value size per head (default: head_dim)")
-    titans.add_argument("--variant", choices=["mag"], default="mag", help="how memory and attention combine: mag = Memory as Gate")
+    titans.add_argument("--variant", choices=["mag", "mal"], default="mag", help="how memory and attention combine: mag = Memory as Gate (mal, Memory as a Layer: not implemented, refused)")
     gqa = p.add_argument_group("GQA (--to gqa)")
     gqa.add_argument("--kv-heads", type=int, default=None, metavar="N", help="KV heads per layer of the output (divides the source's)")
     gqa.add_argument("--merge", choices=["aligned", "mean"], default="aligned", help="aligned: Procrustes-aligned heads, "

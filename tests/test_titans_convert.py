@@ -89,6 +89,7 @@ def test_fresh_process_loads_with_remote_code_only(tmp_path, calib, llama_src):
     (["--memory-depth", "-1"], "--memory-depth"),
     (["--memory-depth", "5"], "--memory-depth"),
     (["--memory-dim", "33"], "--memory-dim"),
+    (["--variant", "mal"], "not implemented"),
 ])
 def test_bad_settings_are_one_line_and_nothing_is_written(tmp_path, capsys, calib, llama_src, flags, words):
     before = tree_digest(llama_src)

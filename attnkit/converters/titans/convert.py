@@ -11,6 +11,7 @@ import torch
 from attnkit.adapters.families import FAMILIES
 from attnkit.converters.retrofit import ANNEAL_FRACTION, retrofit, retrofit_after_mla
 from attnkit.converters.titans.settings import check_settings, head_sizes, memory_projections_from, titans_config_fields
+from attnkit.errors import AttnkitError
 from attnkit.evaluation.kv import cache_bytes, run_for_cache
 from attnkit.io.resolve import check_causal_lm, resolve_model
 
@@ -39,6 +40,9 @@ def _checked_fields(args: argparse.Namespace):
 
 
 def _settings(args: argparse.Namespace, config: dict) -> dict:
+    if getattr(args, "variant", "mag") != "mag":
+        raise AttnkitError(f"--variant {args.variant} (memory as a layer) is not implemented yet; --variant mag "
+                           f"(memory as a gate) is")
     return check_settings(args.window, args.chunk, args.memory_depth, args.memory_dim, config)
 
 
