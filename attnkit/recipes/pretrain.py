@@ -291,19 +291,19 @@ def export(model, tokenizer, recipe: PretrainRecipe, summary: dict) -> None:
         model.to("cpu", dtype).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "training_summary.json").write_text(json.dumps({**summary, "recipe": asdict(recipe)}, indent=2) + "\n")
-        (tmp / "README.md").write_text(_card(recipe, summary))
+        (tmp / "README.md").write_text(_card(recipe, summary, type(model).__name__, model.config.model_type))
     print(json.dumps(summary, indent=2))
 
 
-def _card(recipe: PretrainRecipe, s: dict) -> str:
+def _card(recipe: PretrainRecipe, s: dict, model_class: str = "LlamaForCausalLM", model_type: str = "llama") -> str:
     m = recipe.model
     return f"""---
 library_name: transformers
-tags: [attnkit, reference-model, llama, gqa]
+tags: [attnkit, reference-model, {model_type}, gqa]
 ---
 # attnkit reference model
 
-A small GQA `LlamaForCausalLM` trained by `attnkit pretrain --config recipes/reference.yaml` so that
+A small GQA `{model_class}` trained by `attnkit pretrain` (its recipe is in training_summary.json) so that
 attnkit can measure the quality a conversion keeps without downloading anything.
 
 * Architecture: {m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} query heads,
