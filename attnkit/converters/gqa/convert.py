@@ -27,8 +27,8 @@ from attnkit.converters.common import (StreamSettings, calibration_tokens, check
                                        stream_fields)
 from attnkit.converters.gqa import math as gm
 from attnkit.converters.gqa.report import build_report, format_report
-from attnkit.converters.mla.convert import (COPY_FILES, SourceAttention, measure_stage, measure_streams,
-                                           return_freed_memory)
+from attnkit.converters.measure import SourceAttention, measure_stage, measure_streams, return_freed_memory
+from attnkit.converters.mla.convert import COPY_FILES
 from attnkit.converters.mla.layer import AttnWeights
 from attnkit.converters.mla.metrics import ErrorStat
 from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, lm_head_name, load_layer,

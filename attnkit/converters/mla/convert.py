@@ -13,7 +13,6 @@ held-out) wait in scratch files (`RowStore`).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import shutil
 import time
@@ -26,10 +25,11 @@ from transformers import AutoTokenizer
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from attnkit.converters.common import calibration_tokens, check_device
+from attnkit.converters.measure import SourceAttention, measure_stage, measure_streams, return_freed_memory
 from attnkit.converters.mla import layer as mla
 from attnkit.converters.mla.candidates import choose_split, rope_score_pass
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
-from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
+from attnkit.converters.mla.metrics import ErrorStat
 from attnkit.converters.mla.engines import (ANCHOR_RATIOS, KvbRefit, anchor_row, engine_attention_tensors,
                                             ladder_stride, latent_rows, norm_spread, normalised_latent,
                                             pad_value_heads, steady_mix)
@@ -40,7 +40,7 @@ from attnkit.converters.mla.refit import REFIT_ROWS, refit_stage
 from attnkit.converters.mla.report import build_report, format_report
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings
-from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, final_hidden, has_q_bias, head_chunks,
+from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, has_q_bias,
                                            layer_norms, layer_tensors, layer_view, lm_head_name, load_layer, load_mlp,
                                            open_source, rope_tables, source_pe, source_scale, view_moment)
 from attnkit.errors import AttnkitError
@@ -54,20 +54,6 @@ REFIT_STAGES = ("exact", "rope", "balance", "low-rank", "refit", "native")  # wi
 MIX_FIT_TOKENS = 16384  # calibration tokens (strided) the engine form's latent mix is fitted on
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-
-
-def return_freed_memory(trim: bool = False) -> None:
-    """Large tensors freed by one layer go back to the OS (glibc otherwise keeps them in its heap):
-    a fixed 1 MiB mmap threshold (glibc's own grows with what is freed, up to 32 MiB); `trim` also
-    hands back the free pages inside the heap (what tokenising the calibration text and a layer's
-    small tensors leave behind)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        if trim:
-            libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass
@@ -311,59 +297,6 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
         t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
     return {"layer": layer, "beta": beta, "rope_components": {"virtual_head": rope_plan.kept_j.tolist(),
             "frequency_index": rope_plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs, **engine_info, **view.info}
-
-
-@dataclass
-class SourceAttention:
-    """The source attention's inputs (normed) and outputs on the held-out rows of one layer, computed
-    once and compared with every stage; kept in scratch files beside the source stream."""
-
-    inputs: RowStore
-    outputs: RowStore
-
-    @classmethod
-    def of(cls, source_attn, norm1, source: RowStore, dev: str) -> "SourceAttention":
-        ref = cls(*(RowStore(source.path.with_name(f"source-{k}.f32"), source.rows, source.row_shape) for k in ("in", "out")))
-        for lo, h in source.blocks(ROW_BATCH):
-            x = norm1(h.to(dev))
-            ref.inputs.write(lo, x)
-            ref.outputs.write(lo, source_attn(x))
-        return ref
-
-    def blocks(self, dev: str):
-        """(first row, normed input, source attention output) per block of rows, on `dev`."""
-        for lo, x in self.inputs.blocks(ROW_BATCH):
-            yield lo, x.to(dev), self.outputs.read(lo, lo + ROW_BATCH).to(dev)
-
-    def close(self) -> None:
-        self.inputs.close(), self.outputs.close()
-
-
-def measure_stage(attend, ref: SourceAttention, norm1, stream: RowStore, stat: ErrorStat, dev: str,
-                  post1=lambda y: y) -> float:
-    """A stage's attention error on the source's inputs; its own stream gets its attention residual
-    (the MLP half of the layer follows for every stream together)."""
-    errs = []
-    for lo, x_src, y_src in ref.blocks(dev):
-        errs.append(relative_errors(attend(x_src), y_src))
-        h = stream.read(lo, lo + ROW_BATCH).to(dev)
-        stream.write(lo, h + post1(attend(norm1(h))))
-    e = torch.cat(errs)
-    stat.add(e)
-    return float(e.mean())
-
-
-def measure_streams(src: Source, streams: dict[str, RowStore], stages, held_out: torch.Tensor,
-                    final_norm: torch.Tensor, head_name: str, dev: str) -> tuple[float, dict]:
-    """The source's held-out perplexity and every stage's logits error / KL / perplexity against it,
-    from the final hidden states of the streams (closed here: nothing reads them after)."""
-    finals = {k: final_hidden(src, store.all().to(dev), final_norm) for k, store in streams.items()}
-    for store in streams.values():
-        store.close()
-    targets = held_out[:, 1:].reshape(-1).to(dev)
-    return_freed_memory(trim=True)
-    return logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
-                          lambda: head_chunks(src.ckpt, head_name, dev))
 
 
 def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor, h_cal: RowStore,
