@@ -248,10 +248,11 @@ class TitansMemory(nn.Module):
                 state: MemoryState | None, keep: bool = True) -> tuple[torch.Tensor, MemoryState | None]:
         """x [B, T, D] (the attention's input), attn_out [B, T, H, d_v] -> (mixed output, new state).
 
-        With the ramp at 0 the output is `attn_out` whatever the memory holds, so when no state is
-        kept (`keep` False: no cache) the memory is not computed at all (no gradient is lost: the
-        closed gate passes none)."""
-        if not len(self.initial) or (not keep and not bool(self.ramp)):  # depth 0, or nothing to mix or keep
+        With the ramp at 0 the output is `attn_out` whatever the memory holds, so at inference
+        (no grad) with no state kept (`keep` False: no cache) the memory is not computed at all. In
+        training it is: a first step at ramp 0 that trains only the memory needs the (zero) gradient path."""
+        skip = not keep and not bool(self.ramp) and not torch.is_grad_enabled()
+        if not len(self.initial) or skip:  # depth 0, or nothing to mix, keep or train
             return attn_out, None
         if state is None:
             state = self.initial_state(x.shape[0])
