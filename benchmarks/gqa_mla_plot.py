@@ -23,7 +23,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Point:
     source: str  # panel: the source model's folder name
-    family: str  # "source", "GQA aligned", "GQA mean", "MLA"
+    family: str  # "source", "GQA aligned", "GQA mean", "MLA", "MLA, transformers form"
     state: str  # "one-shot" | "healed" | "source"
     kv_bytes: int  # per token, all layers, in the report's dtype
     ppl: float
@@ -46,7 +46,8 @@ def _describe(conv: dict) -> tuple[str, str, str]:
     t = conv["target"]
     if conv["method"] == "gqa":
         return source, f"GQA {t['merge']}", f"{t['num_key_value_heads']} KV"
-    return source, "MLA", f"{t['kv_lora_rank']}/{t['qk_rope_head_dim']}"
+    family = "MLA, transformers form" if t.get("form") == "transformers" else "MLA"
+    return source, family, f"{t['kv_lora_rank']}/{t['qk_rope_head_dim']}"
 
 
 def points_of(path: Path, data: dict, metric: str) -> list[Point]:
@@ -74,7 +75,8 @@ def points_of(path: Path, data: dict, metric: str) -> list[Point]:
     return [Point(source, family, "one-shot", conv["kv_cache_bytes_per_token"]["after"], ppl, label)]
 
 
-STYLE = {"GQA aligned": ("tab:blue", "o"), "GQA mean": ("tab:gray", "v"), "MLA": ("tab:red", "s")}
+STYLE = {"GQA aligned": ("tab:blue", "o"), "GQA mean": ("tab:gray", "v"), "MLA": ("tab:red", "s"),
+         "MLA, transformers form": ("tab:orange", "D")}
 
 
 def plot(points: list[Point], out: Path, metric: str) -> None:
@@ -102,10 +104,8 @@ def plot(points: list[Point], out: Path, metric: str) -> None:
                 for p in pts:
                     ax.annotate(p.label, (p.kv_bytes, p.ppl), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        for axis in (ax.xaxis, ax.yaxis):
-            axis.set_major_formatter(ScalarFormatter())
-            axis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(source)
         ax.set_xlabel("KV cache bytes per token (all layers, bf16)")
         ax.set_ylabel(metric.replace("/", " "))
