@@ -123,6 +123,7 @@ def main() -> None:
     ap.add_argument("--metric", default="attnkit-ppl/token_perplexity", help="TASK/METRIC (default: %(default)s)")
     args = ap.parse_args()
     points = [p for path in args.reports for p in points_of(path, json.loads(path.read_text()), args.metric)]
+    points = list(dict.fromkeys(points))  # a healed run's eval_before and an eval JSON of its student agree
     for p in sorted(points, key=lambda p: (p.source, p.family, p.state, p.kv_bytes)):
         print(f"{p.source:16s} {p.family:12s} {p.state:9s} {p.kv_bytes:6d} B/token  {p.ppl:9.3f}  {p.label}")
     plot(points, args.out, args.metric)
