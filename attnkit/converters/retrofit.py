@@ -276,7 +276,7 @@ def _summary(report: dict, out: str) -> str:
         "  " + kv_change(report["kv_cache_bytes_per_token"]),  # before: the user's model, also for mla+dex
     ]
     if "titans" in report:
-        from attnkit.converters.titans.settings import bounded_state_note
+        from attnkit.evaluation.kv import bounded_state_note
 
         lines[-1] += f"; {bounded_state_note(report['titans'])}"
     if "heads" in report:

@@ -169,3 +169,13 @@ def checkpoint_dtype(folder) -> str | None:
     header = LazyCheckpoint(folder).header()
     names = [n for n in sorted(header) if n.endswith(("proj.weight", "norm.weight"))] or sorted(header)
     return short_dtype(header[names[0]]["dtype"]) if names else None
+
+
+def bounded_state_note(titans: dict) -> str:
+    """What a convert report's per-token KV figure does not say for a Titans model (its `titans`
+    block): that figure is the growth below W only; past W the state is constant."""
+    state = titans["state_bytes"]
+    sizes = ", ".join(f"{b:,} B at {n:,}" for n, b in zip(state["contexts"], state["bytes"]))
+    memory = "no memory" if not titans["memory_depth"] else "the memory"
+    return (f"bounded: the last {titans['window'] - 1} tokens' keys/values per layer + {memory}; the per-token "
+            f"figure is the growth below W = {titans['window']}, none past it (whole cache, fp32: {sizes} tokens)")

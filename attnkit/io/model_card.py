@@ -346,7 +346,7 @@ def _conversion_section(convert: dict) -> str:
             _table(["before", "after", "after / before"], [[kv["before"], kv["after"], f"{ratio:.1%}"]]),
         ]
         if isinstance(convert.get("titans"), dict) and "state_bytes" in convert["titans"]:
-            from attnkit.converters.titans.settings import bounded_state_note
+            from attnkit.evaluation.kv import bounded_state_note
 
             parts += ["", f"The state is {bounded_state_note(convert['titans'])}."]
     ppl = convert.get("ppl") or {}

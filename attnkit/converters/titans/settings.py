@@ -60,13 +60,3 @@ def memory_projections_from(attn, heads: int, head_dim: int) -> dict[str, torch.
         per_head = w.view(-1, head_dim, w.shape[-1])  # [G, d, D]
         out[name] = per_head.repeat_interleave(heads // per_head.shape[0], dim=0).reshape(heads * head_dim, -1)
     return out
-
-
-def bounded_state_note(titans: dict) -> str:
-    """What a convert report's per-token KV figure does not say for a Titans model (its `titans`
-    block): that figure is the growth below W only; past W the state is constant."""
-    state = titans["state_bytes"]
-    sizes = ", ".join(f"{b:,} B at {n:,}" for n, b in zip(state["contexts"], state["bytes"]))
-    memory = "no memory" if not titans["memory_depth"] else "the memory"
-    return (f"bounded: the last {titans['window'] - 1} tokens' keys/values per layer + {memory}; the per-token "
-            f"figure is the growth below W = {titans['window']}, none past it (whole cache, fp32: {sizes} tokens)")
