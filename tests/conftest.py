@@ -30,6 +30,19 @@ def tree_digest(folder: Path) -> dict[str, str]:
             for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
+def refused_in_one_line(run, capsys, out: Path, *words: str) -> str:
+    """`run()` is bad input: exit 2, one line on stderr naming every one of `words`, nothing at `out`.
+    Returns the line."""
+    capsys.readouterr()
+    assert run() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    for w in words:
+        assert w in err[0], (w, err[0])
+    assert not Path(out).exists()
+    return err[0]
+
+
 @pytest.fixture(scope="module")
 def calib(tmp_path_factory):
     """A calibration text folder (mla_fixtures.calib_folder) shared by a test module."""

@@ -12,7 +12,7 @@ from attnkit.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mla_fixtures import save_model  # noqa: E402
-from conftest import tree_digest  # noqa: E402
+from conftest import refused_in_one_line, tree_digest  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
 
@@ -99,11 +99,7 @@ def test_geometric_frequencies_and_bf16_sharded_source(tmp_path, calib):
     (["--rope-dim", "32", "--rope-frequencies", "geometric"], "--rope-dim must be even"),
 ])
 def test_bad_settings(tmp_path, calib, llama, capsys, extra, message):
-    capsys.readouterr()
-    assert _convert(llama, tmp_path / "out", calib, *extra) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0]
-    assert not (tmp_path / "out").exists()
+    refused_in_one_line(lambda: _convert(llama, tmp_path / "out", calib, *extra), capsys, tmp_path / "out", message)
 
 
 def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, llama, capsys, monkeypatch):

@@ -15,6 +15,7 @@ from attnkit.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mla_fixtures import COMMON, tokenizer  # noqa: E402
+from conftest import refused_in_one_line  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
 G, D_HEAD = 2, 16
@@ -142,11 +143,8 @@ def test_llama_attnkit_format_is_the_deepseek_v3_one(tmp_path, calib):
 
 def test_olmo2_as_deepseek_v3_is_refused_in_one_line(tmp_path, calib, capsys):
     src = _saved(tmp_path / "src", "olmo2")
-    capsys.readouterr()
-    assert _convert(src, tmp_path / "out", calib, "--format", "deepseek_v3") == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "post-norm" in err[0] and "--format attnkit" in err[0]
-    assert not (tmp_path / "out").exists()
+    refused_in_one_line(lambda: _convert(src, tmp_path / "out", calib, "--format", "deepseek_v3"), capsys,
+                        tmp_path / "out", "post-norm", "--format attnkit")
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -155,11 +153,7 @@ def test_olmo2_as_deepseek_v3_is_refused_in_one_line(tmp_path, calib, capsys):
     (["--kv-lora-rank", "33", "--rope-dim", "32"], "--kv-lora-rank must be in 2..32"),
 ])
 def test_bad_attnkit_settings_are_one_line(tmp_path, calib, src, capsys, extra, words):
-    capsys.readouterr()
-    assert _convert(src, tmp_path / "out", calib, *extra) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and words in err[0]
-    assert not (tmp_path / "out").exists()
+    refused_in_one_line(lambda: _convert(src, tmp_path / "out", calib, *extra), capsys, tmp_path / "out", words)
 
 
 def test_without_trust_remote_code_transformers_says_so(tmp_path, calib, src):
