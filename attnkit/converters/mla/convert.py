@@ -78,8 +78,8 @@ def convert(args: argparse.Namespace) -> int:
     check_output_dir(args.out, args.force, (src.path,))
     s = resolve_settings(args, src.shape, src.ckpt, src.family)
     check_device(s.device)
-    if format_note(src.family, s.format):
-        print(format_note(src.family, s.format))
+    if note := format_note(src.family, s.format):
+        print(note)
     _check_disk(src.ckpt, s, Path(args.out))
     with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:
         scratch = tmp / ".scratch"
