@@ -133,6 +133,18 @@ def test_fold_is_exact_when_the_norms_are_constant_scales():
     assert torch.allclose(gamma, torch.full((4,), 0.5))
 
 
+def test_fold_keeps_the_norm_weight_at_its_own_scale():
+    """The folded maps are W·w (not W·w/1000 with γ 10⁶x): keys and queries keep trainable scales."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from attnkit.converters.mla.qknorm import norm_weight
+
+    norm = Qwen3RMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 8))
+    assert torch.allclose(norm_weight(norm, 8), norm.weight.detach(), rtol=1e-6)
+
+
 def test_llama_attnkit_format_is_the_deepseek_v3_one(tmp_path, calib):
     from mla_fixtures import save_model
 

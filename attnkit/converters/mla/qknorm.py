@@ -61,10 +61,12 @@ def lifted_view(attn: torch.nn.Module, aw: AttnWeights, shape: Shape, qk_norm: s
 
 def norm_weight(norm: torch.nn.Module, width: int) -> torch.Tensor:
     """The effective elementwise weight of an RMSNorm of any family (w, or 1 + w for Gemma): its
-    output on a constant vector of RMS 1000 (the epsilon is negligible there), divided by 1000."""
+    output on a constant vector of RMS 1000, which the norm maps to RMS 1 (the epsilon is negligible
+    there). Not divided by 1000: that made w 1000x too small, γ 10⁶x too large, the folded keys
+    1000x small and the folded queries 1000x large (the same scores, but no optimizer could heal it)."""
     big = torch.full((width,), 1000.0, device=next(norm.parameters()).device)
     with torch.no_grad():
-        return (norm(big) / 1000.0).detach().float().cpu()
+        return norm(big).detach().float().cpu()
 
 
 def fold_scales(q_hat: torch.Tensor, k_hat: torch.Tensor, q_lin: torch.Tensor, k_lin: torch.Tensor,
