@@ -103,12 +103,12 @@ def test_bad_settings(tmp_path, calib, llama, capsys, extra, message):
 
 
 def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, llama, capsys, monkeypatch):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    Gemma3ForCausalLM(Gemma3TextConfig(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                       num_key_value_heads=1, head_dim=16, vocab_size=100)).save_pretrained(tmp_path / "g3")
-    assert _convert(tmp_path / "g3", tmp_path / "o", calib) == 2
-    assert "QK-norm" in capsys.readouterr().err
+    Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=16, vocab_size=100)).save_pretrained(tmp_path / "g2")
+    assert _convert(tmp_path / "g2", tmp_path / "o", calib) == 2
+    assert "softcapping" in capsys.readouterr().err
     src = llama
     before = tree_digest(src)
     empty = tmp_path / "empty"

@@ -51,7 +51,7 @@ def test_geometric_mode_keeps_the_source_ladder_at_full_head_dim(kind):
 
 @pytest.mark.parametrize("config, words", [
     ({"model_type": "gemma2"}, "softcapping"),
-    ({"model_type": "gemma3_text"}, "Gemma-3"),
+    ({"model_type": "gemma3"}, "multimodal"),
     ({"model_type": "gpt2"}, "supported are"),
     ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "sequence length"),

@@ -40,9 +40,22 @@ class Family:
     # "all" = over all heads at once (OLMo-2); such families convert to the exact `attnkit` MLA format
     qk_norm: str | None = None
     native_refusal: str | None = None  # why `--format deepseek_v3` cannot express the rest of the model
+    # where transformers keeps the family when not under its model_type (gemma3_text lives in gemma3),
+    # and the config class's prefix when not `prefix` (Gemma3TextConfig)
+    package: str | None = None
+    config_prefix: str | None = None
+    embed_scale: bool = False  # the embedding is multiplied by sqrt(hidden_size) (Gemma)
+    norm_offset: float = 0.0  # RMSNorms scale by (norm_offset + weight): 1 for Gemma's (1 + w)
+    final_softcap: str | None = None  # config field of the final-logit softcapping (cap * tanh(logits / cap))
+    # per layer, config.layer_types[i] picks the RoPE tables (the rotary module takes the layer type:
+    # Gemma-3's local and global bases) and, for "sliding_attention", the window (attn.sliding_window)
+    by_layer_type: bool = False
+    # config fields that must be unset / false for `convert --to mla`, with why (checked on the config)
+    mla_unsupported: tuple[tuple[str, str], ...] = ()
 
     def module(self):
-        return importlib.import_module(f"transformers.models.{self.model_type}.modeling_{self.model_type}")
+        name = self.package or self.model_type
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
     def decoder_layer_class(self):
         return getattr(self.module(), f"{self.prefix}DecoderLayer")
@@ -57,8 +70,9 @@ class Family:
         return getattr(self.module(), f"{self.prefix}ForCausalLM")
 
     def config_class(self):
-        config = importlib.import_module(f"transformers.models.{self.model_type}.configuration_{self.model_type}")
-        return getattr(config, f"{self.prefix}Config")
+        name = self.package or self.model_type
+        config = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
+        return getattr(config, f"{self.config_prefix or self.prefix}Config")
 
 
 _ALREADY_MLA = "the model already uses MLA"
@@ -74,10 +88,20 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gemma2", "Gemma2", attention=None, mla_refusal=(
         "Gemma-2 has sandwich norms (post-attention/post-feedforward RMSNorm), attention-logit softcapping "
         "and final-logit softcapping, which a DeepSeek-V3 checkpoint cannot express")),
-    *(Family(name, "Gemma3", attention=None, mla_refusal=(
-        "Gemma-3 (QK-norm, sandwich norms, scaled embeddings, sliding-window layers) is not converted yet: a "
-        "DeepSeek-V3 checkpoint cannot express it and attnkit's MLA format for QK-norm families does not cover "
-        "its layers")) for name in ("gemma3", "gemma3_text")),
+    Family("gemma3", "Gemma3", attention=None, mla_refusal=(
+        "model_type gemma3 is the multimodal Gemma-3 (Gemma3ForConditionalGeneration: a vision tower, image tokens "
+        "that attend bidirectionally), which is not converted; its text model (model_type gemma3_text, "
+        "Gemma3ForCausalLM, e.g. gemma-3-1b) converts with --format attnkit")),
+    Family("gemma3_text", "Gemma3", package="gemma3", config_prefix="Gemma3Text", attention=None, qk_norm="head",
+           sliding_window="module", mlp_bias=False, norms=("input_layernorm", "pre_feedforward_layernorm"),
+           post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), embed_scale=True, norm_offset=1.0,
+           final_softcap="final_logit_softcapping", by_layer_type=True, mla_unsupported=(
+               ("attn_logit_softcapping", "attention-logit softcapping (tanh on the scores) has no form over the "
+                "shared latent"),
+               ("use_bidirectional_attention", "bidirectional attention is not a causal language model's")),
+           native_refusal=(
+               "Gemma-3 has sandwich norms (post-attention/post-feedforward RMSNorm), (1 + w) RMSNorms, scaled "
+               "embeddings and sliding-window layers with their own RoPE base, which DeepSeek-V3 cannot express")),
     Family("qwen3", "Qwen3", attention=None, qk_norm="head", sliding_window="module", mlp_bias=False),
     Family("olmo2", "Olmo2", attention=None, qk_norm="all", norms=(None, None), mlp_bias=False,
            post_norms=("post_attention_layernorm", "post_feedforward_layernorm"), native_refusal=(

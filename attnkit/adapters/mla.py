@@ -13,6 +13,8 @@ the H query heads fold into the rows of one SDPA call, so each layer streams its
 `enable_absorbed(model)` swaps the class of every `DeepseekV3Attention` (weights, names and state dict
 unchanged); `model.generate` then uses it with a standard `DynamicCache` whose layers become
 `LatentLayer`s (one fused [B, S, r + d_r] tensor per layer, grown in blocks instead of `torch.cat`).
+A sliding-window layer of the source (Gemma-3's, in the attnkit format) becomes a `SlidingLatentLayer`,
+which keeps only the latents of the window, as transformers' `DynamicSlidingWindowLayer` keeps keys.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
 try:
@@ -49,7 +51,8 @@ class LatentLayer(DynamicLayer):
     """
 
     def __init__(self, **kwargs):
-        self._buf: torch.Tensor | None = None  # [B, capacity, r + d_r]
+        self._buf: torch.Tensor | None = None  # [B, capacity, r + d_r]; the stored tokens are [_start, _len)
+        self._start = 0  # > 0 only in a sliding layer, whose oldest latents are dropped
         self._len = 0
         self.rank = 0
         super().__init__(**kwargs)
@@ -57,16 +60,17 @@ class LatentLayer(DynamicLayer):
     # `keys` is the fused view of the stored tokens; DynamicLayer's crop/select/reorder/offload work on it
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self._buf is None else self._buf[:, : self._len]
+        return None if self._buf is None else self._buf[:, self._start : self._len]
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
         self._buf = value
+        self._start = 0
         self._len = 0 if value is None else value.shape[-2]
 
     @property
     def values(self) -> torch.Tensor | None:  # everything lives in `keys`; a zero-width view keeps shapes
-        return None if self._buf is None else self._buf[:, : self._len, :0]
+        return None if self._buf is None else self._buf[:, self._start : self._len, :0]
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
@@ -77,17 +81,25 @@ class LatentLayer(DynamicLayer):
         self.rank = key_states.shape[-1]
         width = self.rank + value_states.shape[-1]
         self._buf = key_states.new_empty(key_states.shape[0], 0, width)
-        self._len = 0
+        self._start = self._len = 0
         self.is_initialized = True
 
     def append(self, fused: torch.Tensor) -> None:
-        """Append fused latents [B, Q, r + d_r]; reallocates only when the block capacity is exceeded."""
+        """Append fused latents [B, Q, r + d_r]; reallocates only when the block capacity is exceeded
+        (a sliding layer first moves its kept latents to the front when that makes room)."""
         need = self._len + fused.shape[1]
         if self._buf.shape[0] != fused.shape[0] or need > self._buf.shape[1] or not self._buf.is_contiguous():
-            cap = (need // _BLOCK + 1) * _BLOCK  # at least one free slot: the next decode step never copies
-            grown = fused.new_empty(fused.shape[0], cap, fused.shape[2])
-            grown[:, : self._len] = self._buf[:, : self._len]
-            self._buf = grown
+            kept = self._len - self._start
+            if self._start and kept + fused.shape[1] <= self._buf.shape[1] and self._buf.shape[0] == fused.shape[0] \
+                    and self._buf.is_contiguous():
+                self._buf[:, :kept] = self._buf[:, self._start : self._len].clone()  # the window, to the front
+            else:
+                cap = ((kept + fused.shape[1]) // _BLOCK + 1) * _BLOCK  # >= one free slot: the next step never copies
+                grown = fused.new_empty(fused.shape[0], cap, fused.shape[2])
+                grown[:, :kept] = self._buf[:, self._start : self._len]
+                self._buf = grown
+            self._start, self._len = 0, kept
+            need = kept + fused.shape[1]
         self._buf[:, self._len : need] = fused
         self._len = need
 
@@ -101,25 +113,102 @@ class LatentLayer(DynamicLayer):
 
     def fused(self) -> torch.Tensor:
         """The stored latent [B, S, r + d_r]."""
-        return self._buf[:, : self._len]
+        return self._buf[:, self._start : self._len]
+
+    def attended(self) -> torch.Tensor:
+        """The latents the last `update`'s queries attend to [B, S, r + d_r]: every stored one here."""
+        return self.fused()
 
     def stored_bytes(self) -> int:
         """Bytes of the stored tokens (what the cache holds per token × tokens)."""
-        return 0 if self._buf is None else self._len * self._buf.shape[0] * self._buf.shape[2] * self._buf.element_size()
+        if self._buf is None:
+            return 0
+        return (self._len - self._start) * self._buf.shape[0] * self._buf.shape[2] * self._buf.element_size()
 
     def allocated_bytes(self) -> int:
         """Bytes allocated, block slack included."""
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
 
+class SlidingLatentLayer(LatentLayer, DynamicSlidingWindowLayer):
+    """The latent cache of a sliding-window layer: after each call it keeps only the latents of the
+    last `sliding_window - 1` tokens (all a later query can see), as transformers'
+    `DynamicSlidingWindowLayer` keeps keys and values; its `get_mask_sizes` / `get_seq_length` (the
+    window's bookkeeping, `cumulative_length`) are that class's. A call attends to the kept latents and
+    its own new ones (`attended`), which is what `get_mask_sizes` announced to the mask.
+    Between calls it holds at most `sliding_window - 1` tokens, in a buffer of at most that plus two
+    blocks (a longer call's buffer is given back); the kept window moves to the buffer's front once a
+    block of decode steps has filled it (an amortised copy of window / block latents per step)."""
+
+    def __init__(self, sliding_window: int, **kwargs):
+        self._attended: torch.Tensor | None = None  # what the last call attends to
+        super().__init__(sliding_window=sliding_window, **kwargs)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q_len = key_states.shape[-2]
+        self.cumulative_length += q_len
+        self.append(torch.cat([key_states[:, 0], value_states[:, 0]], dim=-1))
+        # the kept window and the new tokens: as many as the mask has columns (`get_mask_sizes`)
+        self._attended = self._buf[:, max(self._start, self._len - (self.sliding_window - 1 + q_len)) : self._len]
+        if not self.record_past:  # drop what no later query can see
+            self._start = max(self._start, self._len - (self.sliding_window - 1))
+            self._shrink()
+        seen = self._attended
+        return seen[:, None, :, : self.rank], seen[:, None, :, self.rank :]
+
+    def _shrink(self) -> None:
+        """Give back a buffer larger than the window needs (after a long prefill); `_attended` keeps
+        viewing the old one until the next call."""
+        target = ((self.sliding_window - 1 + _BLOCK) // _BLOCK + 1) * _BLOCK
+        if self._buf.shape[1] > target:
+            kept = self._len - self._start
+            small = self._buf.new_empty(self._buf.shape[0], target, self._buf.shape[2])
+            small[:, :kept] = self._buf[:, self._start : self._len]
+            self._buf, self._start, self._len = small, 0, kept
+
+    def attended(self) -> torch.Tensor:
+        return self.fused() if self._attended is None else self._attended
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' sliding-window rules (`DynamicSlidingWindowLayer.crop`) on the latent buffer."""
+        self._attended = None
+        window = self.sliding_window
+        if self.get_seq_length() >= window:
+            if not self.record_past:
+                raise RuntimeError("`crop` was called, but the current layer does not track past states, and the sliding "
+                                   "window size was already reached. Call `activate_past_recording` before `crop`.")
+            if tokens_to_remove > 0:
+                raise RuntimeError("Once the sliding window size has been reached, a sliding layer can only be cropped "
+                                   "by passing a negative int, to specify how many tokens to remove")
+            n = -tokens_to_remove
+            self._len -= n
+            self.cumulative_length -= n
+            self._start = max(self._start, self._len - (window - 1))
+        else:
+            DynamicLayer.crop(self, tokens_to_remove)
+            self.cumulative_length = self._len - self._start
+
+
 def latent_layer(cache: Cache, layer_idx: int) -> LatentLayer:
-    """Make `cache.layers[layer_idx]` a LatentLayer (converting a filled plain DeepSeek-V3 layer)."""
+    """Make `cache.layers[layer_idx]` a LatentLayer (converting a filled plain DeepSeek-V3 layer), or a
+    SlidingLatentLayer in place of an empty `DynamicSlidingWindowLayer` (a sliding-window layer)."""
     layers = cache.layers
     while len(layers) <= layer_idx:
         layers.append(LatentLayer())
     layer = layers[layer_idx]
     if isinstance(layer, LatentLayer):
         return layer
+    if type(layer) is DynamicSlidingWindowLayer:
+        if layer.is_initialized and layer.get_seq_length() > 0:
+            raise AttnkitError("absorbed MLA attention cannot take over a filled sliding-window cache layer")
+        layers[layer_idx] = SlidingLatentLayer(sliding_window=layer.sliding_window)
+        return layers[layer_idx]
     if type(layer) is not DynamicLayer:
         raise AttnkitError(f"absorbed MLA attention needs a DynamicCache; got a {type(layer).__name__} layer")
     latent = LatentLayer()
@@ -255,12 +344,13 @@ def latent_output(module: nn.Module, q_nope, q_rot, fused, mask) -> torch.Tensor
 
 def cached_latent(cache: Cache | None, layer_idx: int, c_kv: torch.Tensor, k_rot: torch.Tensor) -> torch.Tensor:
     """Append c_kv [B, 1, Q, r] and k_rot [B, 1, Q, d_r] to the layer's latent cache; the fused latent
-    of every stored token [B, S, r + d_r] (of the new ones alone without a cache)."""
+    of every token the new ones attend to [B, S, r + d_r] (every stored one; a sliding layer's window
+    and the new ones; the new ones alone without a cache)."""
     if cache is None:
         return torch.cat([c_kv[:, 0], k_rot[:, 0]], dim=-1)
     layer = latent_layer(cache, layer_idx)
     cache.update(c_kv, k_rot, layer_idx)
-    return layer.fused()
+    return layer.attended()
 
 
 class AbsorbedDeepseekV3Attention(ds.DeepseekV3Attention):

@@ -1,4 +1,4 @@
-"""The `attnkit` MLA format for QK-norm families (Qwen3; `convert --to mla --format attnkit`).
+"""The `attnkit` MLA format for QK-norm families (Qwen3, OLMo-2, Gemma-3; `convert --to mla --format attnkit`).
 
 A QK-norm source normalises each token's keys before RoPE, so no linear latent of the hidden state
 reproduces them. The norm depends on that token alone, though, so the latent can be written from the
@@ -15,7 +15,11 @@ shared RoPE key is rotated with the source's own cos/sin tables (any source scal
 tables), at the source frequency pairs `config.attnkit["rope_pairs"]`.
 
 The model is the source family's own model class with each attention module replaced, so its
-decoder layers, MLPs and norms are the source's. This file (with mla.py and families.py) is copied
+decoder layers, MLPs and norms are the source's (Gemma-3's sandwich norms, scaled embeddings and
+final-logit softcapping included). The softmax scale is the source attention's (Gemma-3's
+`query_pre_attn_scalar`); each layer gets the RoPE tables and mask of its type from the source's model
+(Gemma-3's local/global bases and sliding windows), and a sliding-window layer's latent cache keeps only
+its window (`mla.SlidingLatentLayer`). This file (with mla.py and families.py) is copied
 into converted checkpoints and referenced from `auto_map`; importing `attnkit.adapters` registers
 the classes with the Auto classes.
 """

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
-from attnkit.converters.mla.source import ROW_BATCH, Source, final_hidden, head_chunks
+from attnkit.converters.mla.source import ROW_BATCH, Source, final_hidden, final_softcap, head_chunks
 from attnkit.io.rowstore import RowStore
 
 
@@ -80,4 +80,4 @@ def measure_streams(src: Source, streams: dict[str, RowStore], stages, held_out:
     targets = held_out[:, 1:].reshape(-1).to(dev)
     return_freed_memory(trim=True)
     return logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,
-                          lambda: head_chunks(src.ckpt, head_name, dev))
+                          lambda: head_chunks(src.ckpt, head_name, dev), final_softcap(src))

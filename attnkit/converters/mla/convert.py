@@ -16,7 +16,7 @@ import argparse
 import json
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,11 +38,11 @@ from attnkit.converters.mla.native import (Target, constant_for, native_attentio
 from attnkit.converters.mla.qknorm import attnkit_tensors, format_note, write_code
 from attnkit.converters.mla.refit import REFIT_ROWS, refit_stage
 from attnkit.converters.mla.report import build_report, format_report
-from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings
 from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, has_q_bias,
-                                           layer_norms, layer_tensors, layer_view, lm_head_name, load_layer, load_mlp,
-                                           open_source, rope_tables, source_pe, source_scale, view_moment)
+                                           layer_norms, layer_rope, layer_tensors, layer_type, layer_view, layer_window,
+                                           lm_head_name, load_layer, load_mlp, open_source, rope_tables, source_pe,
+                                           source_scale, view_moment, window_mask)
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
@@ -169,15 +169,20 @@ class _Layers:
     q_bias: bool
     writer: ShardedWriter
     built: tuple[str, ...]  # the stages this run builds (a measured stage is also in the streams)
+    # a family with RoPE per layer type (Gemma-3): type -> (inv_freq, attention scaling, (cos, sin));
+    # `_at_layer` sets the layer's own, and its sliding window and mask (None: full causal attention)
+    by_type: dict | None = None
+    window: int | None = None
+    mask: torch.Tensor | None = None
 
 
 def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     """Stream the source through the plan into `tmp`; returns the report."""
     src, s = p.src, p.s
     shape, dev, fam = src.shape, s.device, src.family
-    src_inv, src_att = source_rope(fam, src.hf_config)
+    src_inv, src_att = layer_rope(src, 0)
     tgt_cfg = p.target.config
-    src_pe = source_pe(src, s.seq_len, dev)  # the attnkit format rotates with the source's own tables
+    src_pe = source_pe(src, s.seq_len, dev, 0)  # the attnkit format rotates with the source's own tables
     t = _Layers(p.target, torch.arange(s.seq_len, device=dev), src_pe,
                 src_pe if s.format == "attnkit" else rope_tables(DeepseekV3RotaryEmbedding(tgt_cfg), s.seq_len, shape.D, dev),
                 src_inv, p.counts,
@@ -185,6 +190,9 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
                      rope_tgt=p.target.attention_scaling),
                 has_q_bias(src), ShardedWriter(tmp, max_shard_bytes=s.max_shard_bytes),
                 STAGES if s.refit_query == "off" else REFIT_STAGES)
+    if fam.by_layer_type:
+        firsts = {layer_type(src, i): i for i in reversed(range(src.config["num_hidden_layers"]))}
+        t.by_type = {k: (*layer_rope(src, i), source_pe(src, s.seq_len, dev, i)) for k, i in firsts.items()}
     h_cal = embedded(src, p.calib, scratch / "calib.f32")
     h0 = embedded(src, p.held_out, scratch / "source.f32")
     stages = measured_stages(t.built, s.report, fam.qk_norm is not None and s.format == "deepseek_v3")
@@ -230,6 +238,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     moment, stages, their errors, every stream's attention residual; (2) the MLP. A function of
     its own so that everything the layer allocated is freed when it returns."""
     shape, dev, fam = src.shape, s.device, src.family
+    t = _at_layer(src, s, t, layer)
     module = load_layer(src, layer, dev, mlp=False)
     norm1, post1, norm2, post2 = layer_norms(module, fam)  # h + post1(attn(norm1(h))), h + post2(mlp(norm2(h)))
     view = layer_view(src, s.format, module, h_cal, t.src_pe, dev)  # QK norms lifted or folded; else plain
@@ -245,10 +254,10 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     # each stage is built, measured and dropped in turn: at most one stage's weights are resident
     builders = {
         "exact": lambda: _exact_by_group(aw, shape, mom, t, dev),
-        "rope": lambda: mla.attention_fn(mla.build_stage(aw, rope_plan, shape, mom, map_dtype=torch.float32, **t.kw), t.positions, dev),
-        "balance": lambda: mla.attention_fn(mla.build_stage(aw, rope_plan, shape, mom, beta=beta, metrics=metrics, map_dtype=torch.float32, **t.kw), t.positions, dev),
+        "rope": lambda: mla.attention_fn(mla.build_stage(aw, rope_plan, shape, mom, map_dtype=torch.float32, **t.kw), t.positions, dev, t.mask),
+        "balance": lambda: mla.attention_fn(mla.build_stage(aw, rope_plan, shape, mom, beta=beta, metrics=metrics, map_dtype=torch.float32, **t.kw), t.positions, dev, t.mask),
     }
-    source_attn = lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=None)[0]  # noqa: E731
+    source_attn = lambda x: module.self_attn(hidden_states=x, position_embeddings=t.src_pe, attention_mask=t.mask)[0]  # noqa: E731
     layer_errs, engine_info = {}, {}
     with torch.no_grad():
         ref = SourceAttention.of(source_attn, norm1, streams["source"], dev)
@@ -256,14 +265,15 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
             if k == "low-rank":
                 low_p = mla.build_stage(aw, rope_plan, shape, mom, beta=beta, metrics=metrics, rank=s.data_rank,
                                         map_dtype=torch.float32, centred=not t.engine, **t.kw)
-                attend, p32 = mla.attention_fn(low_p, t.positions, dev)
+                attend, p32 = mla.attention_fn(low_p, t.positions, dev, t.mask)
                 del low_p  # the native tensors are made from the fp32 copy (they are stored in <= fp32)
                 if not t.engine and s.format != "attnkit":  # the constant channel's size: the largest latent norm
                     z_max = max(float((attn_input(b.to(dev)) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax())
                                 for _, b in h_cal.blocks(ROW_BATCH))
             elif k == "refit":
                 x = attn_input(h_cal.read(0, REFIT_ROWS).to(dev))
-                attend, p32 = mla.attention_fn(refit_stage(mla.on_device(p32, "cpu"), aw, rope_plan, src, s.refit_query, mom, x), t.positions, dev)
+                attend, p32 = mla.attention_fn(refit_stage(mla.on_device(p32, "cpu"), aw, rope_plan, src, s.refit_query, mom, x,
+                                                           (t.src_inv, t.kw["rope_src"]), t.window), t.positions, dev, t.mask)
             elif k == "native":
                 if s.format == "attnkit":
                     tensors = attnkit_tensors(mla.on_device(p32, "cpu"), src.shape, module.self_attn)
@@ -276,7 +286,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                 tensors = pad_value_heads(tensors, shape.H, shape.d, shape.d, s.v_head_dim)
                 tensors = {n: v.to(s.out_dtype) for n, v in tensors.items()}  # what is written, and measured
                 native = written_attention(t.target.config, layer, tensors, dev, s.format)
-                attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=None)[0]  # noqa: E731
+                attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=t.mask)[0]  # noqa: E731
             else:
                 attend = builders[k]()[0]
             attend = attend if k == "native" else view.wrap(attend)  # stages run on the view's input
@@ -358,6 +368,21 @@ def _exact_by_group(aw: mla.AttnWeights, shape: mla.Shape, mom: torch.Tensor, t:
         rope_plan = mla.identity_plan(shape_g, t.src_inv)
         p = mla.build_stage(aw_g, rope_plan, shape_g, mom, dtype=torch.float32, **{
             **t.kw, "scale_tgt": (shape.d + rope_plan.d_r) ** -0.5, "rope_tgt": t.kw["rope_src"]})
-        fns.append(mla.attention_fn(p, t.positions, dev)[0])
+        fns.append(mla.attention_fn(p, t.positions, dev, t.mask)[0])
     return (lambda x: sum(f(x) for f in fns)), None
+
+
+def _at_layer(src: Source, s: Settings, t: _Layers, layer: int) -> _Layers:
+    """`t` with `layer`'s own RoPE (inv_freq, scaling, tables) and sliding window for a family whose
+    RoPE and windows follow config.layer_types (Gemma-3: local and global bases); `t` itself otherwise.
+    The attnkit format rotates the shared key with the layer's own tables, so its target's are the same."""
+    kind = layer_type(src, layer)
+    if kind is None:
+        return t
+    inv, att, pe = t.by_type[kind]
+    window = layer_window(src, layer)
+    attnkit = s.format == "attnkit"
+    kw = {**t.kw, "rope_src": att, **({"rope_tgt": att} if attnkit else {})}
+    return replace(t, src_inv=inv, src_pe=pe, tgt_pe=pe if attnkit else t.tgt_pe, kw=kw, window=window,
+                   mask=window_mask(s.seq_len, window, s.device))
 

@@ -337,8 +337,9 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return y if b is None else y + b.to(x.dtype)
 
 
-def mla_attention(p: MLAParams, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Causal MLA attention output [B, T, D] of normed hidden states x [B, T, D] (no latent norm)."""
+def mla_attention(p: MLAParams, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal MLA attention output [B, T, D] of normed hidden states x [B, T, D] (no latent norm);
+    `mask`: a boolean [1, 1, T', T'] (T' >= T, True = attend) instead of plain causal (a sliding window)."""
     B, T, _ = x.shape
     H, dq, _ = p.q_w.shape
     d = p.o_w.shape[1] // H
@@ -355,7 +356,8 @@ def mla_attention(p: MLAParams, x: torch.Tensor, positions: torch.Tensor) -> tor
     k_pe = apply_rope(k_pe, cos.to(x.dtype), sin.to(x.dtype)).expand(B, H, T, -1)
     query = torch.cat([q[..., :d], q_pe], dim=-1)
     key = torch.cat([kv[..., :d], k_pe], dim=-1)
-    out = sdpa(query, key, kv[..., d:], is_causal=True, scale=p.scale)  # [B, H, T, d]
+    causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask[..., :T, :T])
+    out = sdpa(query, key, kv[..., d:], scale=p.scale, **causal)  # [B, H, T, d]
     return _linear(out.transpose(1, 2).reshape(B, T, H * d), p.o_w, p.o_b)
 
 
@@ -373,10 +375,10 @@ def group_weights(aw: AttnWeights, shape: Shape, g: int) -> tuple[AttnWeights, S
     sub = AttnWeights(aw.wq[q_rows], aw.wk[kv_rows], aw.wv[kv_rows], aw.wo[:, q_rows],
                       pick(aw.bq, q_rows), pick(aw.bk, kv_rows), pick(aw.bv, kv_rows), aw.bo if g == 0 else None)
     return sub, Shape(shape.D, per, 1, d)
-def attention_fn(p: MLAParams, positions: torch.Tensor, dev: str):
-    """(attention function, its fp32 parameters on `dev`)."""
+def attention_fn(p: MLAParams, positions: torch.Tensor, dev: str, mask: torch.Tensor | None = None):
+    """(attention function, its fp32 parameters on `dev`); `mask` as `mla_attention`'s."""
     p32 = on_device(to_dtype(p, torch.float32), dev)
-    return (lambda x: mla_attention(p32, x, positions)), p32
+    return (lambda x: mla_attention(p32, x, positions, mask)), p32
 
 
 def on_device(p: MLAParams, dev: str) -> MLAParams:

@@ -74,13 +74,16 @@ def _target_logit(old: torch.Tensor, x: torch.Tensor, targets: torch.Tensor, lo:
 
 
 def logits_metrics(source: torch.Tensor, others: dict[str, torch.Tensor], targets: torch.Tensor,
-                   head_chunks: Callable[[], Iterator[tuple[int, torch.Tensor]]]) -> tuple[float, dict[str, dict]]:
+                   head_chunks: Callable[[], Iterator[tuple[int, torch.Tensor]]],
+                   softcap: float | None = None) -> tuple[float, dict[str, dict]]:
     """Compare final normed hidden states [N, D] of each model in `others` with `source`.
 
     `head_chunks()` yields (first_row, lm_head rows [V_chunk, D]). Returns the source perplexity and,
     per model: logits_rel_err_mean/max, kl (mean nats/token) and ppl. The source's running softmax is
-    computed once per vocabulary chunk and shared by every model compared with it.
+    computed once per vocabulary chunk and shared by every model compared with it. `softcap`: the
+    model's final-logit softcapping (logits = cap * tanh(logits / cap), Gemma), applied to every model.
     """
+    cap = (lambda z: z) if not softcap else (lambda z: torch.tanh(z / softcap).mul_(softcap))  # noqa: E731
     n = source.shape[0]
     src, runs = _Source.new(n), {k: _Stage.new(n) for k in others}
     for lo, w in head_chunks():
@@ -88,12 +91,12 @@ def logits_metrics(source: torch.Tensor, others: dict[str, torch.Tensor], target
         step = max(64, (1 << 21) // max(1, n))  # bound the [tokens, rows] fp64 temporaries to ~16 MB
         for sub in range(0, w.shape[0], step):
             ws = w[sub : sub + step]
-            a = (source.float() @ ws.T).double()
+            a = cap((source.float() @ ws.T).double())
             new_m = torch.maximum(src.m, a.max(dim=1).values)
             keep = torch.exp(src.m - new_m)
             ea = torch.exp(a - new_m[:, None])
             for k, h in others.items():
-                r, b = runs[k], (h.float() @ ws.T).double()
+                r, b = runs[k], cap((h.float() @ ws.T).double())
                 r.tgt_b = _target_logit(r.tgt_b, b, targets, lo + sub)
                 diff = a - b
                 r.y = r.y * keep + torch.linalg.vecdot(ea, diff)

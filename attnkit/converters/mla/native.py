@@ -19,9 +19,9 @@ from attnkit.sdpa import register as register_sdpa
 from attnkit.converters.mla.engines import ladder_theta
 from attnkit.converters.mla.layer import MLAParams, Shape
 from attnkit.converters.mla.qknorm import attnkit_config, attnkit_module
-from attnkit.converters.mla.rope import exact_rope_parameters, geometric_rope_parameters, source_rope, target_rope
+from attnkit.converters.mla.rope import exact_rope_parameters, geometric_rope_parameters, target_rope
 from attnkit.converters.mla.settings import Settings
-from attnkit.converters.mla.source import Source, has_q_bias, source_scale
+from attnkit.converters.mla.source import Source, has_q_bias, layer_rope, source_scale
 from attnkit.errors import AttnkitError
 
 # c / max|latent| on calibration data: the norm's relative error is about (max|z| / c)^2 / 2
@@ -134,7 +134,7 @@ def target_for(src: Source, s: Settings, rope_dim: int, counts: torch.Tensor | N
     """The DeepSeek-V3 target of a conversion with this split (`counts`: RoPE slots per source
     frequency, exact frequencies; `stride`: of the kept pairs, ladder frequencies)."""
     shape = src.shape
-    src_inv, src_att = source_rope(src.family, src.hf_config)
+    src_inv, src_att = layer_rope(src, 0)  # (RoPE per layer type: the converter sets each layer's own)
     if s.format == "attnkit":  # k_pe rotated with the source's own tables at the kept pairs; the source's scale
         pairs = torch.arange(shape.d // 2).repeat_interleave(counts)
         config = attnkit_config(src.hf_config, src.family, kv_lora_rank, pairs.tolist())

@@ -164,8 +164,11 @@ def format_note(family, fmt: str) -> str | None:
         return None
     name = family.prefix
     if fmt == "attnkit":
+        alternative = ("--format deepseek_v3 is not available for it (the rest of the model has no DeepSeek-V3 form)"
+                       if family.native_refusal else
+                       "--format deepseek_v3 writes a plain checkpoint with the norms folded (lossy)")
         return (f"format attnkit (exact): {name} normalises its keys before RoPE, which no latent of a DeepSeek-V3 "
                 "checkpoint reproduces, so the latent is written from the normalised keys by code shipped in OUT "
-                "(trust_remote_code); --format deepseek_v3 writes a plain checkpoint with the norms folded (lossy)")
+                f"(trust_remote_code); {alternative}")
     return (f"format deepseek_v3: {name}'s query/key norms are folded into q/k projections as constant scales: "
             "lossy, the report's first step measures it")

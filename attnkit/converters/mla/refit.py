@@ -54,10 +54,11 @@ def stage_keys(p: MLAParams) -> torch.Tensor:
 
 
 def causal_attention_by_distance(aw: AttnWeights, shape: Shape, x: torch.Tensor, inv_freq: torch.Tensor,
-                                 rope_scaling: float, scale: float) -> torch.Tensor:
+                                 rope_scaling: float, scale: float, window: int | None = None) -> torch.Tensor:
     """w_h(Delta) [H, T]: the source's attention probability at distance Delta, averaged over queries.
 
     x [B, T, D] are the layer's normed inputs. Each query's probabilities sum to one, so each row does.
+    `window`: a sliding-window layer's (keys at Delta >= window are not seen).
     """
     B, T, _ = x.shape
     H, G, d = shape.H, shape.G, shape.d
@@ -68,6 +69,8 @@ def causal_attention_by_distance(aw: AttnWeights, shape: Shape, x: torch.Tensor,
     q = apply_rope(q.transpose(1, 2), cos.double(), sin.double())  # [B, H, T, d]
     k = apply_rope(k.transpose(1, 2), cos.double(), sin.double())[:, shape.group]  # [B, H, T, d]
     future = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    if window is not None:  # keys a sliding window has left behind are masked like future ones
+        future |= torch.tril(torch.ones(T, T, dtype=torch.bool), -window)
     delta = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).clamp_min(0).flatten()  # t - s (future: 0, p = 0)
     weights = torch.zeros(H, T, dtype=torch.float64)
     for h in range(H):  # one head at a time: [B, T, T] temporaries only (a 32-head layer at T 512 would need 67 MB each)
@@ -77,10 +80,13 @@ def causal_attention_by_distance(aw: AttnWeights, shape: Shape, x: torch.Tensor,
     return weights / (B * T)
 
 
-def uniform_distance_weights(T: int, H: int) -> torch.Tensor:
-    """w(Delta) [H, T] of a uniform draw over the causal pairs of a T-token window: (T - Delta) / #pairs."""
-    w = (T - torch.arange(T, dtype=torch.float64)) / (T * (T + 1) / 2)
-    return w.expand(H, T).clone()
+def uniform_distance_weights(T: int, H: int, window: int | None = None) -> torch.Tensor:
+    """w(Delta) [H, T] of a uniform draw over the causal pairs of a T-token window: (T - Delta) / #pairs
+    (pairs at Delta >= `window` excluded for a sliding-window layer)."""
+    w = T - torch.arange(T, dtype=torch.float64)
+    if window is not None:
+        w[window:] = 0
+    return (w / w.sum()).expand(H, T).clone()
 
 
 def mean_rotation(weights: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,11 +148,11 @@ REFIT_ROWS = 4  # calibration rows whose source attention gives the refit's dist
 
 
 def distance_weights(mode: str, aw: AttnWeights, src: Source, x: torch.Tensor, src_inv: torch.Tensor,
-                     src_att: float) -> torch.Tensor:
+                     src_att: float, window: int | None = None) -> torch.Tensor:
     """[H, T] distance weights of the query refit, averaged over the rows of x [B, T, D]."""
     if mode == "uniform":
-        return uniform_distance_weights(x.shape[1], src.shape.H)
-    per_row = [causal_attention_by_distance(aw, src.shape, row[None].cpu(), src_inv, src_att, source_scale(src))
+        return uniform_distance_weights(x.shape[1], src.shape.H, window)
+    per_row = [causal_attention_by_distance(aw, src.shape, row[None].cpu(), src_inv, src_att, source_scale(src), window)
                for row in x]
     return torch.stack(per_row).mean(0)
 
@@ -157,8 +163,10 @@ def refit_params(p: MLAParams, aw: AttnWeights, plan: RopePlan, src: Source, mom
 
 
 def refit_stage(p: MLAParams, aw: AttnWeights, plan: RopePlan, src: Source, mode: str, mom: torch.Tensor,
-                x: torch.Tensor) -> MLAParams:
+                x: torch.Tensor, rope: tuple[torch.Tensor, float] | None = None, window: int | None = None) -> MLAParams:
     """The converter's `refit` stage: `p` with its NoPE query refit; x [B, T, D] are the layer's normed
-    inputs on the first REFIT_ROWS calibration rows (the source's attention there gives the weights)."""
-    src_inv, src_att = source_rope(src.family, src.hf_config)
-    return refit_params(p, aw, plan, src, mom, distance_weights(mode, aw, src, x, src_inv, src_att), src_inv)
+    inputs on the first REFIT_ROWS calibration rows (the source's attention there gives the weights).
+    `rope`: the layer's (inv_freq, attention scaling) when they differ by layer (Gemma-3); `window`:
+    a sliding-window layer's."""
+    src_inv, src_att = rope if rope is not None else source_rope(src.family, src.hf_config)
+    return refit_params(p, aw, plan, src, mom, distance_weights(mode, aw, src, x, src_inv, src_att, window), src_inv)

@@ -67,9 +67,19 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
         "serving": ATTNKIT_SERVING if s.format == "attnkit" else
         engine_support(s.kv_lora_rank, s.rope_dim, shape.d, s.v_head_dim, s.target, s.rope_frequencies),
         **({"qk_norm_fold": {k: metrics["exact"][k] for k in ("kl", "ppl", "logits_rel_err_mean")}} if folded else {}),
+        **({"sliding_window": windows} if (windows := sliding_windows(src)) else {}),
         "calibration": {"source": s.calib, "tokens": s.calib_tokens, "seq_len": s.seq_len},
         "layers": per_layer,
     }
+
+
+def sliding_windows(src) -> dict | None:
+    """The sliding-window layers kept as windows (a family with layer types, Gemma-3): the window and
+    the layers; their latent cache holds the last window - 1 tokens, as the source's KV cache does."""
+    if not src.family.by_layer_type:
+        return None
+    layers = [i for i, kind in enumerate(src.hf_config.layer_types) if kind == "sliding_attention"]
+    return {"window": int(src.hf_config.sliding_window), "layers": layers} if layers else None
 
 
 ATTNKIT_SERVING = {"transformers": "yes, with trust_remote_code=True (or after `import attnkit`)",
@@ -106,6 +116,10 @@ def format_report(report: dict) -> str:
     if report.get("qk_norm_fold"):
         f = report["qk_norm_fold"]
         lines.append(f"QK-norm fold (lossy, step exact): ppl {report['ppl']['before']:.4f} -> {f['ppl']:.4f}, KL {f['kl']:.4f}")
+    if report.get("sliding_window"):
+        w = report["sliding_window"]
+        lines.append(f"sliding-window layers ({len(w['layers'])} of {len(report['layers'])}) kept as windows of "
+                     f"{w['window']} tokens: their latent cache holds the last {w['window'] - 1}, as the source's KV cache")
     if report.get("serving"):
         lines.append("runs in: " + "; ".join(f"{k} {v}" for k, v in report["serving"].items()))
     if report.get("kv_budget"):

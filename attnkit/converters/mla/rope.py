@@ -14,9 +14,13 @@ from transformers import DeepseekV3Config, PretrainedConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 
-def source_rope(family, config: PretrainedConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [d/2], attention_scaling) exactly as the source model computes them."""
+def source_rope(family, config: PretrainedConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [d/2], attention_scaling) exactly as the source model computes them (those of one
+    layer type for a rotary module with a set per type, Gemma-3's `{type}_inv_freq`)."""
     rotary = family.rotary_class()(config)
+    if layer_type is not None:
+        inv, scaling = getattr(rotary, f"{layer_type}_inv_freq"), getattr(rotary, f"{layer_type}_attention_scaling")
+        return inv.double().clone(), float(scaling)
     return rotary.inv_freq.double().clone(), float(rotary.attention_scaling)
 
 

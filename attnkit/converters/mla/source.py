@@ -20,11 +20,12 @@ from attnkit.converters.families import describe
 from attnkit.converters.mla.layer import AttnWeights, Shape
 from attnkit.converters.mla.layer import rope_scores as layer_rope_scores
 from attnkit.converters.mla.qknorm import FOLD_ROWS, LayerView, folded_view, lifted_view
+from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings
 from attnkit.converters.shapes import check_weights
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint
-from attnkit.io.resolve import check_causal_lm, resolve_model
+from attnkit.io.resolve import check_causal_lm, load_config, resolve_model
 from attnkit.io.rowstore import RowStore
 from attnkit.io.tensor_rows import embed_into, read_rows, tensor_rows
 
@@ -47,8 +48,8 @@ def open_source(model: str, check=describe) -> Source:
     """Resolve MODEL, refuse what the target cannot express (`check`: MLA's `describe` by default),
     read its config; no weights are loaded."""
     path = resolve_model(model)
+    family = check(load_config(path))  # the family's own refusal first: it names the reason (multimodal Gemma-3)
     config = check_causal_lm(path)
-    family = check(config)
     ckpt = check_weights(path, config)  # every tensor's shape against the config, from the headers
     hf_config = AutoConfig.from_pretrained(path)
     hf_config._attn_implementation = "sdpa"
@@ -161,6 +162,11 @@ def run_stage_layer(module, family, attend, h):
 def embedded(src: Source, ids: torch.Tensor, path: Path) -> RowStore:
     store = RowStore(path, ids.shape[0], (ids.shape[1], src.shape.D))
     embed_into(store, src.ckpt, src.family.embed + ".weight", ids)
+    if src.family.embed_scale:  # Gemma: the lookup times sqrt(hidden_size), rounded to the weight's dtype as it does
+        stored = src.ckpt.header()[src.family.embed + ".weight"]["dtype"]
+        dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
+        scale = float(torch.tensor(src.shape.D**0.5).to(dtype))
+        store.map_(lambda h: h * scale, ROW_BATCH, "cpu")
     return store
 
 
@@ -237,34 +243,71 @@ def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path) ->
 
     Scores only rank components, so a quarter of the calibration rows (at least 4) is enough."""
     h = embedded(src, calib[: max(4, calib.shape[0] // 4)], scratch / "rope-prepass.f32")
-    src_pe = source_pe(src, calib.shape[1], s.device)
     scores, n_layers = [], src.config["num_hidden_layers"]
     for layer in tqdm(range(n_layers), desc="rope scores", unit="layer"):
+        src_pe = source_pe(src, calib.shape[1], s.device, layer)
         module = load_layer(src, layer, s.device, mlp=layer < n_layers - 1)  # the last layer's output is not read
         view = layer_view(src, s.format, module, h, src_pe, s.device)
         mom = view_moment(module, src, view, h, s.device).value
         scores.append(layer_rope_scores(view.aw, mom, view.shape, s.rope_method)[1])
         if layer < n_layers - 1:
-            h.map_(through(module, src_pe), ROW_BATCH, s.device)
+            mask = window_mask(calib.shape[1], layer_window(src, layer), s.device)
+            h.map_(through(module, src_pe, mask), ROW_BATCH, s.device)
         del module
     h.close()
     return scores
 
 
-def rope_tables(rotary: torch.nn.Module, length: int, width: int, device: str) -> tuple:
-    """(cos, sin) of a transformers rotary-embedding module for positions 0..length-1."""
+def rope_tables(rotary: torch.nn.Module, length: int, width: int, device: str, layer_type: str | None = None) -> tuple:
+    """(cos, sin) of a transformers rotary-embedding module for positions 0..length-1 (of one layer
+    type for a rotary module that takes it, Gemma-3's)."""
     probe = torch.zeros(1, length, width, device=device)  # [1, T, D]: only its dtype/device are read
-    return rotary.to(device)(probe, torch.arange(length, device=device)[None])
+    extra = () if layer_type is None else (layer_type,)
+    return rotary.to(device)(probe, torch.arange(length, device=device)[None], *extra)
 
 
-def source_pe(src: Source, length: int, device: str) -> tuple:
-    """The source's own (cos, sin) tables for positions 0..length-1."""
-    return rope_tables(src.family.rotary_class()(src.hf_config), length, src.shape.D, device)
+def source_pe(src: Source, length: int, device: str, layer: int | None = None) -> tuple:
+    """The source's own (cos, sin) tables for positions 0..length-1 (those of `layer`'s type when the
+    family has RoPE per layer type; `layer` is then needed)."""
+    return rope_tables(src.family.rotary_class()(src.hf_config), length, src.shape.D, device, layer_type(src, layer))
 
 
-def through(module, pe):
-    """fn(block [b, T, D]) -> the source decoder layer's output on it (positions' RoPE tables `pe`)."""
-    return lambda b: _as_tensor(module(b, attention_mask=None, position_embeddings=pe))
+def layer_type(src: Source, layer: int | None) -> str | None:
+    """config.layer_types[layer] for a family whose RoPE and window are per layer type (Gemma-3), else None."""
+    if not src.family.by_layer_type:
+        return None
+    if layer is None:
+        raise ValueError(f"{src.family.model_type} has RoPE per layer type: name the layer")
+    return src.hf_config.layer_types[layer]
+
+
+def layer_rope(src: Source, layer: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) of the source's RoPE at `layer` (one set for most families)."""
+    return source_rope(src.family, src.hf_config, layer_type(src, layer))
+
+
+def layer_window(src: Source, layer: int) -> int | None:
+    """The sliding window of `layer` (a query at t sees keys s with t - s < window, as transformers'
+    sliding masks), None for full attention; only families with layer types keep windows."""
+    if layer_type(src, layer) != "sliding_attention":
+        return None
+    return int(src.hf_config.sliding_window)
+
+
+def window_mask(length: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean [1, 1, T, T] mask (True = attend) of causal attention within `window`; None (plain
+    causal) without a window or when the window covers the whole length."""
+    if window is None or window >= length:
+        return None
+    pos = torch.arange(length, device=device)
+    delta = pos[:, None] - pos[None, :]
+    return ((delta >= 0) & (delta < window))[None, None]
+
+
+def through(module, pe, mask: torch.Tensor | None = None):
+    """fn(block [b, T, D]) -> the source decoder layer's output on it (positions' RoPE tables `pe`;
+    `mask`: a sliding window's, None = causal)."""
+    return lambda b: _as_tensor(module(b, attention_mask=mask, position_embeddings=pe))
 
 
 def _as_tensor(out):
@@ -276,7 +319,13 @@ def final_hidden(src: Source, h: torch.Tensor, norm_w: torch.Tensor) -> torch.Te
     eps = float(src.config.get("rms_norm_eps", 1e-6))
     x = h[:, :-1].float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (norm_w * x).reshape(-1, x.shape[-1])
+    return ((norm_w + src.family.norm_offset) * x).reshape(-1, x.shape[-1])  # Gemma's norm scales by 1 + w
+
+
+def final_softcap(src: Source) -> float | None:
+    """The final-logit softcapping the source's head applies (Gemma's config field), None for none."""
+    field = src.family.final_softcap
+    return (src.config.get(field) or None) if field else None
 
 
 def lm_head_name(src: Source) -> str:
