@@ -128,3 +128,13 @@ def test_predicted_oom_on_cpu_is_recorded_without_running(models, tmp_path, monk
     assert lengths == [16]  # the warm-up only
     rows = json.loads(out.read_text())["models"]["model"]["results"]
     assert [r["status"] for r in rows] == ["oom", "oom"] and "predicted" in rows[0]["error"]
+
+
+def test_one_progress_bar_over_both_models_names_each(models, capsys):
+    """Issue "The first hour": the bar counts every case of every model (one ETA for the whole run) and says
+    which model it is measuring."""
+    assert main(["bench", str(models / "mla"), "--baseline", str(models / "gqa"), "--context", "8", "--batch", "1,2",
+                 "--decode-tokens", "2", "--repeats", "1", "--device", "cpu", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"{models / 'mla'} ctx=8 batch=2" in err and f"{models / 'gqa'} ctx=8 batch=1" in err
+    assert "4/4" in err and "/2 " not in err  # one total: 2 models x 1 context x 2 batch sizes

@@ -56,13 +56,14 @@ def test_console_script_runs_in_a_fresh_process():
     assert bad.returncode == 2 and bad.stderr.strip()  # argparse's usage error, through the script's exit code
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c != "tasks"])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_help_shows_defaults_and_an_example(command, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])
     text = capsys.readouterr().out
     assert "example:" in text and f"attnkit {command} " in text.split("example:")[1]
     assert "(default: None)" not in text and "(default: False)" not in text
+    assert build_parser()._subparsers._group_actions[0].choices[command].description  # push included
 
 
 def test_convert_help_names_numeric_defaults(capsys):

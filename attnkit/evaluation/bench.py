@@ -337,6 +337,10 @@ def _main(args) -> int:
     device, dtype = pick_device(args.device), DTYPES[args.dtype]
     if args.out and Path(args.out).suffix != ".json":
         raise AttnkitError(f"--out must name a .json file, not {args.out}")
+    if args.out:
+        from attnkit.io.checkpoint import check_results_file
+
+        check_results_file(Path(args.out), "attnkit.bench/v1", "bench")
     specs = [("model", args.model, args.attn)]
     if args.baseline:
         specs.append(("baseline", args.baseline, getattr(args, "baseline_attn", None) or args.attn))

@@ -469,6 +469,10 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and out.is_dir():
         raise AttnkitError(f"--out {out} is a folder; give a file name such as results.json")
+    if out is not None:
+        from attnkit.io.checkpoint import check_results_file
+
+        check_results_file(out, SCHEMA, "eval")
     names = bundled.expand(args.tasks)
     bundled.check_names(names)
     specs = {"model": args.model, **({"baseline": args.baseline} if args.baseline else {})}

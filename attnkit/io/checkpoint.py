@@ -224,21 +224,36 @@ def weights_fingerprint(folder: Path) -> str | None:
         return hashlib.sha256(f.read(n)).hexdigest()
 
 
-def check_output_dir(out: str | os.PathLike, force: bool = False, sources: tuple = ()) -> Path:
+def check_output_dir(out: str | os.PathLike, force: bool = False, sources: tuple = (),
+                     what: str = "the source model") -> Path:
     """Refuse an OUT that is, is inside or contains a source folder (whatever the flags: --force
-    would delete the source), a non-empty OUT unless forced, and an OUT that is a file."""
+    would delete the source), a non-empty OUT unless forced, and an OUT that is a file. `what`
+    names the sources in the message (a teacher, a run folder)."""
     out = Path(out)
     target = out.resolve()
     for src in sources:
         src = Path(src).resolve()
         if target == src or src in target.parents or target in src.parents:
             how = "is" if target == src else "is inside" if src in target.parents else "contains"
-            raise AttnkitError(f"output folder {out} {how} the source model {src}; write somewhere else")
+            raise AttnkitError(f"output folder {out} {how} {what} {src}; write somewhere else")
     if out.exists() and not out.is_dir():
         raise AttnkitError(f"output path {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise AttnkitError(f"output folder {out} is not empty (use --force to replace it)")
     return out
+
+
+def check_results_file(out: Path, schema: str, command: str) -> None:
+    """Refuse an --out FILE that exists and is not an earlier `attnkit COMMAND` result (its `schema`):
+    a model's config.json or weights given by mistake would otherwise be overwritten."""
+    if not out.is_file():
+        return
+    try:
+        ours = json.loads(out.read_text(encoding="utf-8")).get("schema") == schema
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        ours = False
+    if not ours:
+        raise AttnkitError(f"--out {out} exists and is not an `attnkit {command}` results file; give a new file name")
 
 
 TMP_MARK = ".attnkit-tmp-"  # .OUT.attnkit-tmp-PID-XXXXXXXX: the scratch folder of a run writing OUT

@@ -172,6 +172,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     teacher_name = teacher_spec(recipe, student_path) if recipe.teacher else None  # also the retention reference
     teacher_path, teacher_config = check_teacher(teacher_name, tokenizer, config.get("vocab_size"))
     if teacher_path is not None:
+        check_output_dir(recipe.output_dir, recipe.force, (teacher_path,), what="the teacher")  # force would replace it
         if same_weights(teacher_path, student_path) and not recipe.teacher_is_student_ok:
             raise AttnkitError(f"teacher {teacher_name} has the student's own weights: distilling from it teaches "
                                "nothing (set teacher_is_student_ok=true to do it anyway)")

@@ -127,8 +127,15 @@ def build_model(spec: ModelSpec, tokenizer):
     return AutoModelForCausalLM.from_config(config)
 
 
-def _check_export_dir(folder: Path) -> None:
-    """Only an earlier `attnkit pretrain` export may be replaced (it carries training_summary.json)."""
+def _check_export_dir(folder: Path, run_dir: Path | None = None, corpus: str | None = None) -> None:
+    """Only an earlier `attnkit pretrain` export may be replaced (it carries training_summary.json);
+    never one that is, is inside or contains the run folder or the corpus (the export replaces it)."""
+    from attnkit.io.checkpoint import check_output_dir
+
+    if run_dir is not None:
+        check_output_dir(folder, True, (run_dir,), what="the run folder (run_dir)")
+    if corpus and corpus not in ("python", "python+site") and Path(corpus).expanduser().exists():
+        check_output_dir(folder, True, (Path(corpus).expanduser(),), what="the corpus")
     if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not (folder / "training_summary.json").is_file())):
         raise AttnkitError(f"export_dir {folder} exists and is not an earlier pretrain export; choose an empty folder")
 
@@ -166,7 +173,7 @@ def _autocast(device: torch.device, enabled: bool):
 
 def train(recipe: PretrainRecipe) -> dict:
     t = recipe.train
-    _check_export_dir(Path(recipe.export_dir))  # before, not after, half an hour of training
+    _check_export_dir(Path(recipe.export_dir), Path(recipe.run_dir), recipe.corpus)  # before half an hour of training
     run_dir = Path(recipe.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if t.threads:
@@ -296,7 +303,9 @@ def export(model, tokenizer, recipe: PretrainRecipe, summary: dict) -> None:
 
 
 def _card(recipe: PretrainRecipe, s: dict, model_class: str = "LlamaForCausalLM", model_type: str = "llama") -> str:
-    m = recipe.model
+    from attnkit.io.model_card import scrub  # a local corpus path by its folder name: the card is public
+
+    m, corpus = recipe.model, scrub(recipe.corpus)
     return f"""---
 library_name: transformers
 tags: [attnkit, reference-model, {model_type}, gqa]
@@ -311,7 +320,7 @@ attnkit can measure the quality a conversion keeps without downloading anything.
   max positions {m.max_position_embeddings} (trained at {recipe.train.seq_len} tokens; quality beyond that is not claimed),
   tied embeddings, {s['params']:,} parameters, stored as {recipe.export_dtype}.
 * Tokenizer: byte-level BPE, {recipe.tokenizer.vocab_size} tokens, trained on the same training split.
-* Corpus: `{recipe.corpus}` — the Python standard library's source files, split train/validation by a hash
+* Corpus: `{corpus}` — the Python standard library's source files, split train/validation by a hash
   of each file's path (attnkit.data, {100 - 5} % / 5 %).
 * Training: {s['steps']} steps × {recipe.train.batch_size} × {recipe.train.seq_len} tokens = {s['tokens_seen']:,} tokens
   ({s['train_tokens_available']:,} distinct training tokens; the last {recipe.train.long_fraction:.0%} of steps
