@@ -67,6 +67,9 @@ def _add_convert(sub) -> None:
     mla.add_argument("--kv-lora-rank", type=int, default=None, metavar="R", help="latent rank r (default 512, clipped for small models)")
     mla.add_argument("--rope-dim", type=int, default=None, metavar="DR", help="decoupled RoPE dim d_r, even (default 64, clipped)")
     mla.add_argument("--rope-method", choices=["rorope", "partial"], default="rorope", help="how RoPE is reduced to d_r dims")
+    mla.add_argument("--rope-score", choices=["energy", "loss"], default=None, help="how rorope's components are ranked "
+                     "for the d_r RoPE slots: energy = key energy; loss = the score error NoPE'ing a component leaves "
+                     "after the query refit (default: loss with exact frequencies, energy on a plain ladder)")
     mla.add_argument(
         "--target",
         choices=["engines", "transformers"],
@@ -209,8 +212,9 @@ def _add_tasks(sub) -> None:
     p = sub.add_parser(
         "tasks",
         help="where the bundled lm-eval tasks are (for lm_eval --include_path)",
-        description="Print the folder of attnkit's ready lm-eval task YAMLs, e.g. "
-        'lm_eval --model hf --model_args pretrained=OUT --include_path "$(attnkit tasks path)" --tasks attnkit-core',
+        description="Print the folder of attnkit's ready lm-eval task YAMLs, for lm-eval's own CLI (--include_path).",
+        epilog='example:\n  attnkit tasks path\n'
+        '  lm_eval --model hf --model_args pretrained=out/ref-mla --include_path "$(attnkit tasks path)" --tasks attnkit-core',
     )
     p.add_argument("action", choices=["path"], help="path: print the folder")
 

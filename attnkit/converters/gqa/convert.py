@@ -162,7 +162,7 @@ def execute(src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tenso
     attn_err = {k: ErrorStat() for k in stages}
     per_layer = []
     n_layers = src.config["num_hidden_layers"]
-    for layer in tqdm(range(n_layers), desc="convert --to gqa", unit="layer"):
+    for layer in tqdm(range(n_layers), desc=f"{src.path.name}: convert --to gqa", unit="layer"):
         per_layer.append(_convert_layer(src, s, layer, pe, h_cal, streams, attn_err, writer, last=layer == n_layers - 1))
         return_freed_memory(trim=True)
     h_cal.close()

@@ -23,12 +23,13 @@ from attnkit.converters.mla.budget import budget_values, refine_candidates, spli
 from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
 from attnkit.converters.mla.engines import ladder_stride
 from attnkit.converters.mla.native import target_for
-from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, refit_params
+from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, layer_damping, refit_params, rope_damping
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings, rope_cap
 from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, final_hidden, head_chunks,
-                                           load_layer, moment, open_source, rope_scores, run_stage_layer,
-                                           source_pe, source_scale, through)
+                                           layer_norms, layer_rope, layer_view, layer_window, load_layer, moment,
+                                           open_source, run_stage_layer, source_pe, source_scale, through, view_moment,
+                                           window_mask)
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.io.tensor_rows import embed_rows
@@ -43,9 +44,30 @@ class Candidate:
 
 
 def rope_score_pass(src, s, calib: torch.Tensor, scratch: Path | None = None) -> list[torch.Tensor]:
-    """Every layer's RoPE component scores, as the converter's own pre-pass computes them."""
+    """Pre-pass: every layer's RoPE component scores (`layer.slot_counts` turns them into slots per
+    frequency for a rope_dim, `engines.ladder_stride` into the stride of a plain ladder).
+
+    Scores only rank components, so a quarter of the calibration rows (at least 4) is enough; the
+    loss scores' damping comes from the same first REFIT_ROWS rows as in the converter's pass."""
+    n_layers = src.config["num_hidden_layers"]
+    scores = []
     with _scratch_dir(scratch) as tmp:
-        return rope_scores(src, s, calib, tmp)
+        h = embedded(src, calib[: max(4, calib.shape[0] // 4)], tmp / "rope-prepass.f32")
+        for layer in tqdm(range(n_layers), desc=f"{src.path.name}: rope scores (pre-pass)", unit="layer"):
+            src_pe = source_pe(src, calib.shape[1], s.device, layer)
+            module = load_layer(src, layer, s.device, mlp=layer < n_layers - 1)  # the last layer's output is not read
+            view = layer_view(src, s.format, module, h, src_pe, s.device)
+            mom = view_moment(module, src, view, h, s.device).value
+            with torch.no_grad():
+                x = view.attn_input(layer_norms(module, src.family)[0](h.read(0, REFIT_ROWS).to(s.device)))
+            damping = layer_damping(s, view.aw, src, x, layer_rope(src, layer), layer_window(src, layer))
+            scores.append(mla.rope_scores(view.aw, mom, view.shape, s.rope_method, damping)[1])
+            if layer < n_layers - 1:
+                mask = window_mask(calib.shape[1], layer_window(src, layer), s.device)
+                h.map_(through(module, src_pe, mask), ROW_BATCH, s.device)
+            del module
+        h.close()
+    return scores
 
 
 class _scratch_dir(tempfile.TemporaryDirectory):
@@ -120,14 +142,16 @@ def _evaluate_layer(src, s, layer: int, h_cal, streams: dict, candidates: list[C
     norm1 = getattr(module, fam.norms[0])
     mom, aw = moment(module, fam, h_cal, shape, dev).value, cpu_weights(module, src)
     with torch.no_grad():
-        x_w = norm1(h_cal.read(0, REFIT_ROWS).to(dev)) if weights_needed(candidates) else None
-        weights = {m: distance_weights(m, aw, src, x_w, src_inv, src_att) for m in weights_needed(candidates)}
+        modes = weights_needed(candidates) | ({s.refit_query} if s.rope_score == "loss" else set())
+        x_w = norm1(h_cal.read(0, REFIT_ROWS).to(dev)) if modes else None
+        weights = {m: distance_weights(m, aw, src, x_w, src_inv, src_att) for m in modes}
+        damping = rope_damping(weights[s.refit_query], src_inv) if s.rope_score == "loss" else None
         x_src = norm1(streams["source"])
         ref = module.self_attn(hidden_states=x_src, position_embeddings=src_pe, attention_mask=None)[0]
         for c in candidates:
             counts, stride, tgt = targets[c.name]
             plan = mla.plan_rope(aw, mom, shape, c.rope_dim, s.rope_method, src_inv, s.rope_frequencies,
-                                 tgt.inv_freq, counts, stride)
+                                 tgt.inv_freq, counts, stride, damping)
             split = mla.split_keys(aw, plan, shape)
             metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
             p = mla.build_stage(aw, plan, shape, mom, scale_src=source_scale(src), scale_tgt=tgt.scale,
@@ -156,8 +180,11 @@ def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores, scratch: Pa
         for layer in tqdm(range(src.config["num_hidden_layers"]), desc="latent spectra", unit="layer"):
             module = load_layer(src, layer, s.device)
             mom, aw = moment(module, fam, h_cal, shape, s.device).value, cpu_weights(module, src)
+            with torch.no_grad():
+                x = getattr(module, fam.norms[0])(h_cal.read(0, REFIT_ROWS).to(s.device))
+            damping = layer_damping(s, aw, src, x, source_rope(fam, src.hf_config))
             plan = mla.plan_rope(aw, mom, shape, rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt.inv_freq, counts,
-                                 stride)
+                                 stride, damping)
             split = mla.split_keys(aw, plan, shape)
             metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
             latent = mla.latent_rows(split, aw, mla.balance_factor(split, aw, mom, metrics), metrics)

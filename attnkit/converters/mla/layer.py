@@ -93,11 +93,17 @@ def _pair_energy(rows: torch.Tensor, moment: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...a,ab,...b->...", rows, moment, rows)
 
 
-def rope_scores(aw: AttnWeights, moment: torch.Tensor, shape: Shape, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_scores(aw: AttnWeights, moment: torch.Tensor, shape: Shape, method: str,
+                damping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rotations U [d/2, G, G], score [d/2, G] of each (frequency, virtual head) component).
 
     rorope: U_i = eigenvectors of the G x G key covariance at frequency i; score = key energy.
     partial: U_i = I; score = sum over the group's query heads of sqrt(E|q_hi|^2) sqrt(E|k_gi|^2).
+
+    damping [H, d/2] (rorope only): 1 - |E_w R(-Delta w_i)|^2 per query head and frequency, the part of
+    a rotation the query refit cannot replace by its mean (`refit.rope_damping`). The score is then
+    what NoPE'ing the component leaves of the score error after the refit, for independent q and k:
+    lambda_ij * sum_h U_i[j, g(h)]^2 E|q_hi|^2 damping_hi (see `loss_scores`).
     """
     G, d, half = shape.G, shape.d, shape.d // 2
     k = _heads(augmented(aw.wk, aw.bk), G, d)  # [G, d, D+1]
@@ -107,7 +113,10 @@ def rope_scores(aw: AttnWeights, moment: torch.Tensor, shape: Shape, method: str
     if method == "rorope":
         evals, evecs = torch.linalg.eigh(cov)  # ascending
         rot = evecs.flip(-1).transpose(1, 2).contiguous()  # rows = eigvecs, strongest first
-        return rot, evals.flip(-1).clamp_min(0)
+        energy = evals.flip(-1).clamp_min(0)
+        if damping is None:
+            return rot, energy
+        return rot, loss_scores(aw, moment, shape, rot, energy, damping)
     if method == "partial":
         rot = torch.eye(G, dtype=torch.float64).expand(half, G, G).contiguous()
         q = _heads(augmented(aw.wq, aw.bq), shape.H, d)
@@ -116,6 +125,19 @@ def rope_scores(aw: AttnWeights, moment: torch.Tensor, shape: Shape, method: str
         q_group = torch.zeros(G, half, dtype=torch.float64).index_add_(0, shape.group, q_e.clamp_min(0).sqrt())
         return rot, q_group.T * k_e.clamp_min(0).sqrt()
     raise ValueError(f"unknown rope method {method!r}")
+
+
+def loss_scores(aw: AttnWeights, moment: torch.Tensor, shape: Shape, rot: torch.Tensor, energy: torch.Tensor,
+                damping: torch.Tensor) -> torch.Tensor:
+    """[d/2, G] expected squared score error of NoPE'ing each rorope component after the query refit.
+
+    Head h scores virtual key head j at pair i with U_i[j, g(h)] q_hi; the refit replaces the
+    rotation R(-Delta w_i) by its mean, leaving E|R - Rbar|^2 = 2 (1 - |Rbar|^2) = 2 damping_hi."""
+    H, d, half = shape.H, shape.d, shape.d // 2
+    q = _heads(augmented(aw.wq, aw.bq), H, d)  # [H, d, D+1]
+    q_e = (_pair_energy(q[:, :half], moment) + _pair_energy(q[:, half:], moment)).clamp_min(0)  # [H, d/2]
+    u2 = rot[:, :, shape.group] ** 2  # [d/2, G(j), H]
+    return energy * torch.einsum("ijh,hi->ij", u2, q_e * damping.double())
 
 
 def slot_counts(scores: list[torch.Tensor], d_r: int) -> torch.Tensor:
@@ -133,7 +155,7 @@ def slot_counts(scores: list[torch.Tensor], d_r: int) -> torch.Tensor:
 def plan_rope(aw: AttnWeights, moment: torch.Tensor, shape: Shape, d_r: int, method: str,
               src_inv_freq: torch.Tensor, frequencies: str = "exact",
               target_inv_freq: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-              stride: int = 1) -> RopePlan:
+              stride: int = 1, damping: torch.Tensor | None = None) -> RopePlan:
     """Choose the rotation per frequency and the d_r/2 (virtual head, frequency) components kept.
 
     exact frequencies: `counts[i]` strongest components at frequency i (default: this layer's own
@@ -143,7 +165,7 @@ def plan_rope(aw: AttnWeights, moment: torch.Tensor, shape: Shape, d_r: int, met
     folding, lossy).
     """
     G, d, half = shape.G, shape.d, shape.d // 2
-    rot, score = rope_scores(aw, moment, shape, method)
+    rot, score = rope_scores(aw, moment, shape, method, damping)
     if frequencies == "ladder":
         kept_i = torch.arange(d_r // 2) * stride
         kept_j = score[kept_i].argmax(dim=1)

@@ -157,16 +157,39 @@ def distance_weights(mode: str, aw: AttnWeights, src: Source, x: torch.Tensor, s
     return torch.stack(per_row).mean(0)
 
 
+def rope_damping(weights: torch.Tensor, src_inv: torch.Tensor) -> torch.Tensor:
+    """[H, d/2] 1 - |E_w R(-Delta w_i)|^2 of each head's distance weights [H, T]: how much of pair i's
+    rotation the refit cannot keep once the pair is NoPE'd (0: the rotation is the same at every
+    distance the head attends to; 1: it averages out completely). Half the refit's mean squared
+    rotation error E|R - Rbar|^2 = 2 (1 - |Rbar|^2)."""
+    c, s = mean_rotation(weights, src_inv)
+    return (1.0 - c * c - s * s).clamp_min(0.0)
+
+
+def layer_damping(s, aw: AttnWeights, src: Source, x: torch.Tensor, rope: tuple[torch.Tensor, float],
+                  window: int | None = None) -> torch.Tensor | None:
+    """A layer's `rope_damping` under the refit's own distance weights on x [B, T, D] (the first
+    REFIT_ROWS rows' math input) when `--rope-score loss` ranks the RoPE components (`layer.loss_scores`);
+    None when they are ranked by key energy. `rope`: the layer's (inv_freq, attention scaling)."""
+    if s.rope_score != "loss":
+        return None
+    src_inv, src_att = rope
+    return rope_damping(distance_weights(s.refit_query, aw, src, x, src_inv, src_att, window), src_inv)
+
+
 def refit_params(p: MLAParams, aw: AttnWeights, plan: RopePlan, src: Source, mom: torch.Tensor,
                  weights: torch.Tensor, src_inv: torch.Tensor) -> MLAParams:
     return refit_query(p, rope_stage_keys(aw, plan, src.shape), mom, *mean_rotation(weights, src_inv))
 
 
 def refit_stage(p: MLAParams, aw: AttnWeights, plan: RopePlan, src: Source, mode: str, mom: torch.Tensor,
-                x: torch.Tensor, rope: tuple[torch.Tensor, float] | None = None, window: int | None = None) -> MLAParams:
+                x: torch.Tensor, rope: tuple[torch.Tensor, float] | None = None, window: int | None = None,
+                weights: torch.Tensor | None = None) -> MLAParams:
     """The converter's `refit` stage: `p` with its NoPE query refit; x [B, T, D] are the layer's normed
-    inputs on the first REFIT_ROWS calibration rows (the source's attention there gives the weights).
-    `rope`: the layer's (inv_freq, attention scaling) when they differ by layer (Gemma-3); `window`:
-    a sliding-window layer's."""
+    inputs on the first REFIT_ROWS calibration rows (the source's attention there gives the weights;
+    `weights`: those distance weights when already computed). `rope`: the layer's (inv_freq,
+    attention scaling) when they differ by layer (Gemma-3); `window`: a sliding-window layer's."""
     src_inv, src_att = rope if rope is not None else source_rope(src.family, src.hf_config)
-    return refit_params(p, aw, plan, src, mom, distance_weights(mode, aw, src, x, src_inv, src_att, window), src_inv)
+    if weights is None:
+        weights = distance_weights(mode, aw, src, x, src_inv, src_att, window)
+    return refit_params(p, aw, plan, src, mom, weights, src_inv)

@@ -25,6 +25,7 @@ class Settings(StreamSettings):
     objective: str
     src_itemsize: int
     refit_query: str = "attention"  # off | attention | uniform: distance weights of the query refit
+    rope_score: str = "energy"  # energy | loss: how the RoPE components kept are ranked (`layer.rope_scores`)
     kv_budget: float | None = None  # fraction of the source's KV bytes; the split is then measured
     target: str = "transformers"  # engines: within llama.cpp / vLLM / SGLang; transformers: exact there only
     v_head_dim: int = 0  # value head size written (>= head_dim, zero-padded); 0 before resolve_settings
@@ -85,14 +86,27 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, family=None) 
     v_head_dim = getattr(args, "v_head_dim", None) or shape.d
     if v_head_dim < shape.d:
         raise AttnkitError(f"--v-head-dim must be >= head_dim {shape.d} (values are zero-padded, never cut), got {v_head_dim}")
+    refit = getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off"
     src_dtype = source_dtype(ckpt)
     return Settings(
         kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=frequencies,
         objective=getattr(args, "objective", None) or "attention", **stream_fields(args, src_dtype),
         src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
-        refit_query=getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off",
+        refit_query=refit, rope_score=rope_score_for(getattr(args, "rope_score", None), args.rope_method, frequencies, refit),
         kv_budget=budget, target=target, v_head_dim=v_head_dim, format=fmt, report=getattr(args, "report", "steps"),
     )
+
+
+def rope_score_for(asked: str | None, method: str, frequencies: str, refit: str) -> str:
+    """--rope-score, or the default: `loss` where it was measured better (rorope components at their
+    exact frequencies, which the loss also chooses between; docs/mla.md), `energy` elsewhere (on a
+    plain ladder the frequencies are fixed and the two were within 0.3 %)."""
+    if asked is None:
+        return "loss" if method == "rorope" and frequencies == "exact" and refit != "off" else "energy"
+    if asked == "loss" and (method != "rorope" or refit == "off"):
+        raise AttnkitError("--rope-score loss ranks rorope components by what the query refit leaves of their "
+                           "rotation; it needs --rope-method rorope and the refit (drop --no-refit-query)")
+    return asked
 
 
 def output_format(args: argparse.Namespace, family) -> str:

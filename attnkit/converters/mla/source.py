@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from attnkit.adapters.families import Family
 from attnkit.converters.families import describe
 from attnkit.converters.mla.layer import AttnWeights, Shape
-from attnkit.converters.mla.layer import rope_scores as layer_rope_scores
 from attnkit.converters.mla.qknorm import FOLD_ROWS, LayerView, folded_view, lifted_view
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings
@@ -235,27 +233,6 @@ def view_moment(module, src: Source, view: LayerView, h: RowStore, device: str) 
     """E[x~ x~^T] of the math's input (the view's) over hidden states h."""
     norm1 = layer_norms(module, src.family)[0]
     return input_moment(lambda b: view.attn_input(norm1(b)), h, view.shape.D, device)
-
-
-def rope_scores(src: Source, s: Settings, calib: torch.Tensor, scratch: Path) -> list[torch.Tensor]:
-    """Pre-pass: every layer's RoPE component scores (`layer.slot_counts` turns them into slots per
-    frequency for a rope_dim, `engines.ladder_stride` into the stride of a plain ladder).
-
-    Scores only rank components, so a quarter of the calibration rows (at least 4) is enough."""
-    h = embedded(src, calib[: max(4, calib.shape[0] // 4)], scratch / "rope-prepass.f32")
-    scores, n_layers = [], src.config["num_hidden_layers"]
-    for layer in tqdm(range(n_layers), desc="rope scores", unit="layer"):
-        src_pe = source_pe(src, calib.shape[1], s.device, layer)
-        module = load_layer(src, layer, s.device, mlp=layer < n_layers - 1)  # the last layer's output is not read
-        view = layer_view(src, s.format, module, h, src_pe, s.device)
-        mom = view_moment(module, src, view, h, s.device).value
-        scores.append(layer_rope_scores(view.aw, mom, view.shape, s.rope_method)[1])
-        if layer < n_layers - 1:
-            mask = window_mask(calib.shape[1], layer_window(src, layer), s.device)
-            h.map_(through(module, src_pe, mask), ROW_BATCH, s.device)
-        del module
-    h.close()
-    return scores
 
 
 def rope_tables(rotary: torch.nn.Module, length: int, width: int, device: str, layer_type: str | None = None) -> tuple:
