@@ -53,7 +53,8 @@ def test_budget_with_explicit_ranks_is_a_one_line_error(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys):
+@pytest.mark.parametrize("target", ["engines", "transformers"])  # transformers: exact frequencies, loss scores,
+def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys, target):  # candidates past head_dim
     import json
     import sys
     from pathlib import Path
@@ -65,7 +66,7 @@ def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys):
     calib = calib_folder(tmp_path / "calib")
     out = tmp_path / "out"
     assert main(["convert", "--to", "mla", str(src), "-o", str(out), "--calib", str(calib), "--calib-tokens", "256",
-                 "--calib-seq-len", "32", "--eval-tokens", "64", "--kv-budget", "0.5"]) == 0
+                 "--calib-seq-len", "32", "--eval-tokens", "64", "--kv-budget", "0.5", "--target", target]) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "attnkit_report.json").read_text())
     cfg = json.loads((out / "config.json").read_text())
@@ -83,7 +84,7 @@ def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys):
     explicit = tmp_path / "explicit"
     assert main(["convert", "--to", "mla", str(src), "-o", str(explicit), "--calib", str(calib), "--calib-tokens", "256",
                  "--calib-seq-len", "32", "--eval-tokens", "64", "--kv-lora-rank", str(cfg["kv_lora_rank"]),
-                 "--rope-dim", str(cfg["qk_rope_head_dim"])]) == 0
+                 "--rope-dim", str(cfg["qk_rope_head_dim"]), "--target", target]) == 0
     for shard in ("model-layers.safetensors", "model-embeddings.safetensors"):
         a, e = load_file(str(out / shard)), load_file(str(explicit / shard))
         assert a.keys() == e.keys() and all(torch.equal(a[k], e[k]) for k in a), shard

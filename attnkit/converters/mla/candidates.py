@@ -58,9 +58,8 @@ def rope_score_pass(src, s, calib: torch.Tensor, scratch: Path | None = None) ->
             module = load_layer(src, layer, s.device, mlp=layer < n_layers - 1)  # the last layer's output is not read
             view = layer_view(src, s.format, module, h, src_pe, s.device)
             mom = view_moment(module, src, view, h, s.device).value
-            with torch.no_grad():
-                x = view.attn_input(layer_norms(module, src.family)[0](h.read(0, REFIT_ROWS).to(s.device)))
-            damping = layer_damping(s, view.aw, src, x, layer_rope(src, layer), layer_window(src, layer))
+            first = lambda: view.attn_input(layer_norms(module, src.family)[0](h.read(0, REFIT_ROWS).to(s.device)))  # noqa: E731
+            damping = layer_damping(s, view.aw, src, first, layer_rope(src, layer), layer_window(src, layer))
             scores.append(mla.rope_scores(view.aw, mom, view.shape, s.rope_method, damping)[1])
             if layer < n_layers - 1:
                 mask = window_mask(calib.shape[1], layer_window(src, layer), s.device)
@@ -68,6 +67,14 @@ def rope_score_pass(src, s, calib: torch.Tensor, scratch: Path | None = None) ->
             del module
         h.close()
     return scores
+
+
+def rope_slots(scores: list[torch.Tensor], frequencies: str, d: int, rope_dim: int) -> tuple[torch.Tensor | None, int]:
+    """(RoPE slots per source frequency, stride of the plain ladder) at rope_dim, each computed only
+    where the frequencies use it (exact: counts; ladder: stride; a ladder has no stride past d)."""
+    counts = mla.slot_counts(scores, rope_dim) if frequencies == "exact" else None
+    stride = ladder_stride(scores, d, rope_dim) if frequencies == "ladder" else 1
+    return counts, stride
 
 
 class _scratch_dir(tempfile.TemporaryDirectory):
@@ -110,7 +117,7 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     scores = scores if scores is not None else rope_score_pass(src, s, calib, scratch)
     targets = {}
     for c in candidates:
-        counts, stride = mla.slot_counts(scores, c.rope_dim), ladder_stride(scores, src.shape.d, c.rope_dim)
+        counts, stride = rope_slots(scores, s.rope_frequencies, src.shape.d, c.rope_dim)
         targets[c.name] = (counts, stride, target_for(src, s, c.rope_dim, counts, max(c.ranks), stride))
     h0 = embed_rows(src.ckpt, fam.embed + ".weight", rows).to(dev)
     streams = {"source": h0, **{c.name: h0.clone() for c in candidates}}
@@ -172,7 +179,7 @@ def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores, scratch: Pa
     shape, fam = src.shape, src.family
     src_inv, _ = source_rope(fam, src.hf_config)
     src_pe = source_pe(src, calib.shape[1], s.device)
-    counts, stride = mla.slot_counts(scores, rope_dim), ladder_stride(scores, shape.d, rope_dim)
+    counts, stride = rope_slots(scores, s.rope_frequencies, shape.d, rope_dim)
     tgt = target_for(src, s, rope_dim, counts, 2, stride)
     spectra = []
     with _scratch_dir(scratch) as tmp:
@@ -180,9 +187,8 @@ def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores, scratch: Pa
         for layer in tqdm(range(src.config["num_hidden_layers"]), desc="latent spectra", unit="layer"):
             module = load_layer(src, layer, s.device)
             mom, aw = moment(module, fam, h_cal, shape, s.device).value, cpu_weights(module, src)
-            with torch.no_grad():
-                x = getattr(module, fam.norms[0])(h_cal.read(0, REFIT_ROWS).to(s.device))
-            damping = layer_damping(s, aw, src, x, source_rope(fam, src.hf_config))
+            first = lambda: getattr(module, fam.norms[0])(h_cal.read(0, REFIT_ROWS).to(s.device))  # noqa: E731
+            damping = layer_damping(s, aw, src, first, source_rope(fam, src.hf_config))
             plan = mla.plan_rope(aw, mom, shape, rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt.inv_freq, counts,
                                  stride, damping)
             split = mla.split_keys(aw, plan, shape)

@@ -27,11 +27,11 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 from attnkit.converters.common import calibration_tokens, check_device
 from attnkit.converters.measure import SourceAttention, measure_stage, measure_streams, return_freed_memory
 from attnkit.converters.mla import layer as mla
-from attnkit.converters.mla.candidates import choose_split, rope_score_pass
+from attnkit.converters.mla.candidates import choose_split, rope_score_pass, rope_slots
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
 from attnkit.converters.mla.metrics import ErrorStat
 from attnkit.converters.mla.engines import (ANCHOR_RATIOS, KvbRefit, anchor_row, engine_attention_tensors,
-                                            ladder_stride, latent_rows, norm_spread, normalised_latent,
+                                            latent_rows, norm_spread, normalised_latent,
                                             pad_value_heads, steady_mix)
 from attnkit.converters.mla.native import (Target, constant_for, native_attention_tensors, target_for,
                                            written_attention)
@@ -122,8 +122,7 @@ def plan(src: Source, s: Settings, scratch: Path) -> Plan:
     return_freed_memory(trim=True)
     if scores is None and s.rope_frequencies != "geometric":
         scores = rope_score_pass(src, s, calib, scratch)
-    counts = mla.slot_counts(scores, s.rope_dim) if s.rope_frequencies == "exact" else None
-    stride = ladder_stride(scores, src.shape.d, s.rope_dim) if s.rope_frequencies == "ladder" else 1
+    counts, stride = rope_slots(scores, s.rope_frequencies, src.shape.d, s.rope_dim)
     target = target_for(src, s, s.rope_dim, counts, s.kv_lora_rank, stride)
     return Plan(src, s, calib, held_out, held_note, target, counts, stride, budget)
 

@@ -22,6 +22,7 @@ Two facts decide what this buys:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -166,14 +167,17 @@ def rope_damping(weights: torch.Tensor, src_inv: torch.Tensor) -> torch.Tensor:
     return (1.0 - c * c - s * s).clamp_min(0.0)
 
 
-def layer_damping(s, aw: AttnWeights, src: Source, x: torch.Tensor, rope: tuple[torch.Tensor, float],
-                  window: int | None = None) -> torch.Tensor | None:
-    """A layer's `rope_damping` under the refit's own distance weights on x [B, T, D] (the first
-    REFIT_ROWS rows' math input) when `--rope-score loss` ranks the RoPE components (`layer.loss_scores`);
-    None when they are ranked by key energy. `rope`: the layer's (inv_freq, attention scaling)."""
+def layer_damping(s, aw: AttnWeights, src: Source, first_rows: Callable[[], torch.Tensor],
+                  rope: tuple[torch.Tensor, float], window: int | None = None) -> torch.Tensor | None:
+    """A layer's `rope_damping` under the refit's own distance weights when `--rope-score loss` ranks
+    the RoPE components (`layer.loss_scores`); None (nothing computed) when key energy ranks them.
+    `first_rows()`: the math's input [B, T, D] on the first REFIT_ROWS calibration rows; `rope`: the
+    layer's (inv_freq, attention scaling)."""
     if s.rope_score != "loss":
         return None
     src_inv, src_att = rope
+    with torch.no_grad():
+        x = first_rows()
     return rope_damping(distance_weights(s.refit_query, aw, src, x, src_inv, src_att, window), src_inv)
 
 
