@@ -36,7 +36,7 @@ from attnkit.converters.mla.engines import (ANCHOR_RATIOS, KvbRefit, anchor_row,
 from attnkit.converters.mla.native import (Target, constant_for, native_attention_tensors, target_for,
                                            written_attention)
 from attnkit.converters.mla.qknorm import attnkit_tensors, format_note, write_code
-from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, refit_stage, rope_damping
+from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, refit_params, rope_damping
 from attnkit.converters.mla.report import build_report, format_report
 from attnkit.converters.mla.settings import Settings, resolve_settings
 from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, has_q_bias,
@@ -244,10 +244,9 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
     shape, attn_input = view.shape, (lambda h: view.attn_input(norm1(h)))
     stat = view_moment(module, src, view, h_cal, dev)
     mom, aw = stat.value, view.aw
-    rope = (t.src_inv, t.kw["rope_src"])
-    with torch.no_grad():  # the refit's distance weights, on the first calibration rows (also the loss scores')
-        x_refit = attn_input(h_cal.read(0, REFIT_ROWS).to(dev)) if s.refit_query != "off" else None
-        weights = distance_weights(s.refit_query, aw, src, x_refit, *rope, t.window) if x_refit is not None else None
+    with torch.no_grad():  # the query refit's distance weights on the first calibration rows (also the loss scores')
+        weights = None if s.refit_query == "off" else distance_weights(
+            s.refit_query, aw, src, attn_input(h_cal.read(0, REFIT_ROWS).to(dev)), t.src_inv, t.kw["rope_src"], t.window)
     damping = rope_damping(weights, t.src_inv) if s.rope_score == "loss" else None
     rope_plan = mla.plan_rope(aw, mom, shape, s.rope_dim, s.rope_method, t.src_inv, s.rope_frequencies, t.target.inv_freq,
                               t.counts, t.stride, damping)
@@ -275,8 +274,8 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                     z_max = max(float((attn_input(b.to(dev)) @ p32.lat_w.T + p32.lat_b).norm(dim=-1).amax())
                                 for _, b in h_cal.blocks(ROW_BATCH))
             elif k == "refit":
-                attend, p32 = mla.attention_fn(refit_stage(mla.on_device(p32, "cpu"), aw, rope_plan, src, s.refit_query, mom,
-                                                           x_refit, rope, t.window, weights), t.positions, dev, t.mask)
+                attend, p32 = mla.attention_fn(refit_params(mla.on_device(p32, "cpu"), aw, rope_plan, src, mom, weights, t.src_inv),
+                                               t.positions, dev, t.mask)
             elif k == "native":
                 if s.format == "attnkit":
                     tensors = attnkit_tensors(mla.on_device(p32, "cpu"), src.shape, module.self_attn)
@@ -296,7 +295,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
             if k in streams:
                 layer_errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev, post1)
             del attend
-        del native, aw, mom, stat, metrics, builders, x_refit, weights
+        del native, aw, mom, stat, metrics, builders, weights
         for lo, _, y in ref.blocks(dev):
             streams["source"].write(lo, streams["source"].read(lo, lo + ROW_BATCH).to(dev) + post1(y))
         ref.close()

@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from attnkit.converters.mla.layer import AttnWeights, MLAParams, RopePlan, Shape, augmented, split_keys
-from attnkit.converters.mla.rope import apply_rope, cos_sin, source_rope
+from attnkit.converters.mla.rope import apply_rope, cos_sin
 from attnkit.converters.mla.source import Source, source_scale
 
 
@@ -184,16 +184,3 @@ def layer_damping(s, aw: AttnWeights, src: Source, first_rows: Callable[[], torc
 def refit_params(p: MLAParams, aw: AttnWeights, plan: RopePlan, src: Source, mom: torch.Tensor,
                  weights: torch.Tensor, src_inv: torch.Tensor) -> MLAParams:
     return refit_query(p, rope_stage_keys(aw, plan, src.shape), mom, *mean_rotation(weights, src_inv))
-
-
-def refit_stage(p: MLAParams, aw: AttnWeights, plan: RopePlan, src: Source, mode: str, mom: torch.Tensor,
-                x: torch.Tensor, rope: tuple[torch.Tensor, float] | None = None, window: int | None = None,
-                weights: torch.Tensor | None = None) -> MLAParams:
-    """The converter's `refit` stage: `p` with its NoPE query refit; x [B, T, D] are the layer's normed
-    inputs on the first REFIT_ROWS calibration rows (the source's attention there gives the weights;
-    `weights`: those distance weights when already computed). `rope`: the layer's (inv_freq,
-    attention scaling) when they differ by layer (Gemma-3); `window`: a sliding-window layer's."""
-    src_inv, src_att = rope if rope is not None else source_rope(src.family, src.hf_config)
-    if weights is None:
-        weights = distance_weights(mode, aw, src, x, src_inv, src_att, window)
-    return refit_params(p, aw, plan, src, mom, weights, src_inv)

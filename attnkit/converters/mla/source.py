@@ -19,7 +19,6 @@ from attnkit.converters.families import describe
 from attnkit.converters.mla.layer import AttnWeights, Shape
 from attnkit.converters.mla.qknorm import FOLD_ROWS, LayerView, folded_view, lifted_view
 from attnkit.converters.mla.rope import source_rope
-from attnkit.converters.mla.settings import Settings
 from attnkit.converters.shapes import check_weights
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint
