@@ -25,12 +25,12 @@ from transformers import AutoTokenizer
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from attnkit.converters.common import calibration_tokens, check_device
-from attnkit.converters.measure import SourceAttention, measure_stage, measure_streams, return_freed_memory
+from attnkit.converters.measure import SourceAttention, heap_reuse, measure_stage, measure_streams, return_freed_memory
 from attnkit.converters.mla import layer as mla
 from attnkit.converters.mla.candidates import choose_split, rope_score_pass, rope_slots
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
 from attnkit.converters.mla.metrics import ErrorStat
-from attnkit.converters.mla.engines import (ANCHOR_RATIOS, KvbRefit, anchor_row, engine_attention_tensors,
+from attnkit.converters.mla.engines import (ANCHOR_RATIOS, MIX_CHANNELS, KvbRefit, anchor_row, engine_attention_tensors,
                                             latent_rows, norm_spread, normalised_latent,
                                             pad_value_heads, steady_mix)
 from attnkit.converters.mla.native import (Target, constant_for, native_attention_tensors, target_for,
@@ -340,7 +340,8 @@ def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor
     ratio, kv_b = best
     z = torch.cat(sample)
     z[:, -1] *= ratio
-    mix = steady_mix(z)
+    with heap_reuse(z.shape[0] * min(z.shape[1], MIX_CHANNELS) * 4):  # hundreds of [N, k] fp32 temporaries
+        mix = steady_mix(z)
     rows = latent_rows(p.lat_w, ratio * unit, mix)  # [m + 1, D]
     refit, mixed_lat = KvbRefit(p.lat_w.shape[0]), rows.float().to(dev)
     for _, b in h_cal.blocks(ROW_BATCH):

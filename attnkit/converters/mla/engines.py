@@ -67,7 +67,10 @@ def anchor_row(moment: torch.Tensor, lat_w: torch.Tensor, ratio: float) -> torch
     return v * (ratio * data_norm / (v @ mu).abs().clamp_min(1e-30)) * torch.sign(v @ mu)
 
 
-def steady_mix(z: torch.Tensor, spread: float = 1e-3, iters: int = 200, channels: int = 128) -> torch.Tensor:
+MIX_CHANNELS = 128  # latent channels `steady_mix` mixes freely (the rest share one scale)
+
+
+def steady_mix(z: torch.Tensor, spread: float = 1e-3, iters: int = 200, channels: int = MIX_CHANNELS) -> torch.Tensor:
     """[r, r] mix T of the latent channels z [N, r] that makes |T z_t|^2 as nearly the same for every
     token as it can (L-BFGS on its relative variance, from T = I): the RMSNorm after it then divides
     every token by nearly one number, i.e. is nearly linear. `spread` penalises the spread of T's log
