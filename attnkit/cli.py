@@ -44,7 +44,7 @@ def _add_convert(sub) -> None:
         "convert",
         help="rewrite a checkpoint's attention (MLA, DEX, DIFF, fewer KV heads)",
         description="Rewrite the attention of MODEL and write a new checkpoint into OUT (atomically).",
-        epilog="example:\n  attnkit convert --to mla reference -o out/ref-mla --kv-lora-rank 28 --rope-dim 48\n"
+        epilog="example:\n  attnkit convert --to mla reference -o out/ref-mla --kv-lora-rank 28 --rope-dim 48 --eval\n"
         "  attnkit convert --to dex reference -o out/ref-dex --heads auto\n"
         "  attnkit convert --to gqa reference -o out/ref-mqa --kv-heads 1",
     )
@@ -63,6 +63,10 @@ def _add_convert(sub) -> None:
     p.add_argument("--calib-tokens", type=int, default=65536, metavar="N", help="calibration tokens (default 65536)")
     p.add_argument("--calib-seq-len", type=int, default=512, metavar="L", help="calibration sequence length")
     p.add_argument("--seed", type=int, default=0, help="seed for calibration sampling")
+    p.add_argument("--eval", action="store_true", help="then evaluate OUT against MODEL in the same process, as "
+                   "`attnkit eval OUT --baseline MODEL --tasks TASKS --out OUT/eval_results.json` would (the model "
+                   "card states it)")
+    p.add_argument("--tasks", default="attnkit-quick", metavar="TASKS", help="lm-eval tasks of --eval (as for attnkit eval)")
     mla = p.add_argument_group("MLA (--to mla)")
     mla.add_argument("--kv-lora-rank", type=int, default=None, metavar="R", help="latent rank r (default 512, clipped for small models)")
     mla.add_argument("--rope-dim", type=int, default=None, metavar="DR", help="decoupled RoPE dim d_r, even (default 64, clipped)")

@@ -136,3 +136,25 @@ def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, l
     assert _convert(src, tmp_path / "o", calib) == 130
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.attnkit-tmp-*"))
     assert tree_digest(src) == before
+
+
+def test_eval_flag_evaluates_the_output_against_its_source(tmp_path, calib, llama, capsys):
+    """`convert --eval`: the output is evaluated against MODEL in the same process, as `attnkit eval OUT
+    --baseline MODEL --out OUT/eval_results.json` would, and the model card states it."""
+    out = tmp_path / "out"
+    assert _convert(llama, out, calib, "--rope-dim", "8", "--kv-lora-rank", "17", "--eval", "--tasks",
+                    "attnkit-recall-256") == 0
+    printed = capsys.readouterr().out
+    assert printed.index(f"wrote {out}\n") < printed.index("attnkit-recall-256")  # the model is written first
+    result = json.loads((out / "eval_results.json").read_text())
+    assert result["tasks"] == ["attnkit-recall-256"] and result["limit"] is None
+    assert Path(result["models"]["model"]["path"]).resolve() == out.resolve()
+    assert Path(result["models"]["baseline"]["path"]).resolve() == Path(llama).resolve()
+    report = json.loads((out / "attnkit_report.json").read_text())
+    assert result["models"]["model"]["kv_cache_bytes_per_token"] == report["kv_cache_bytes_per_token"]["after"]
+    assert "attnkit-recall-256" in (out / "README.md").read_text()  # the card was rewritten with the results
+
+
+def test_eval_flag_checks_its_tasks_before_converting(tmp_path, calib, llama, capsys):
+    refused_in_one_line(lambda: _convert(llama, tmp_path / "out", calib, "--eval", "--tasks", "attnkit-nope"),
+                        capsys, tmp_path / "out", "attnkit-nope")
