@@ -20,8 +20,20 @@ MMAP_THRESHOLD = 1 << 20  # bytes: larger blocks are mmapped, so freeing them re
 
 
 def _mallopt_mmap_threshold(nbytes: int) -> None:
+    """glibc's M_MMAP_THRESHOLD, and its M_TRIM_THRESHOLD at twice that, as glibc's own dynamic policy
+    pairs them (setting one by hand otherwise leaves the heap's top trimmed at 128 KiB: every free
+    there hands pages back that the next allocation faults in again)."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 2 * nbytes)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -33,10 +45,15 @@ def return_freed_memory(trim: bool = False) -> None:
     small tensors leave behind)."""
     _mallopt_mmap_threshold(MMAP_THRESHOLD)
     if trim:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+        _malloc_trim()
+
+
+def end_conversion_memory_policy() -> None:
+    """After a conversion in a process that goes on (`convert --eval`): a 32 MiB threshold, what glibc's
+    own dynamic one grows to, so that the evaluation's forward passes reuse heap blocks instead of
+    faulting in fresh mmapped pages for every MB-sized activation, as they would under the 1 MiB one."""
+    _mallopt_mmap_threshold(32 << 20)
+    _malloc_trim()
 
 
 HEAP_REUSE_MAX = 4 << 20  # bytes: the largest temporaries `heap_reuse` keeps in the heap

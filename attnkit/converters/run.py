@@ -4,7 +4,6 @@ the written model against its source in the same process afterwards."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from attnkit.cli import load_handler
@@ -42,9 +41,11 @@ def main(args: argparse.Namespace) -> int:
     if rc or not getattr(args, "eval", False):
         return rc
     # one process for both: the imports and the source's tokenizer are not paid twice (the README's first command)
+    from attnkit.converters.measure import end_conversion_memory_policy
     from attnkit.evaluation.run import main as evaluate
     from attnkit.io.model_card import write_model_card
 
+    end_conversion_memory_policy()
     try:
         rc = evaluate(eval_args(args))
     except AttnkitError as exc:
