@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -247,7 +251,19 @@ def test_successful_push_leaves_the_pushed_card_in_the_folder(model_dir, online,
     assert b'from_pretrained("alice/tiny-mla")' in remote["README.md"]
     after = tree_digest(folder)
     assert {k: v for k, v in after.items() if k != "README.md"} == before  # nothing else written
-    assert not list(folder.glob("*.tmp.*")) and not list(tmp_path.glob("attnkit-push-*"))
+    assert not list(folder.glob("*.tmp.*")) and not list(Path(tempfile.gettempdir()).glob(f".attnkit-push.attnkit-tmp-{os.getpid()}-*"))
+
+
+def test_a_killed_push_leaves_no_staging_folder_behind(model_dir, online, tmp_path):
+    """The staging folder of a push killed with SIGKILL (its pid gone) is removed by the next push."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that no longer runs
+    stale = Path(tempfile.gettempdir()) / f".attnkit-push.attnkit-tmp-{child.pid}-deadbeef"
+    stale.mkdir()
+    (stale / "README.md").write_text("left by a killed push")
+    with HubServer(TOKEN) as hub:
+        assert _push(_copy(model_dir, tmp_path), hub) == 0
+    assert not stale.exists()
 
 
 def test_push_wrong_token_is_401(model_dir, online, tmp_path, capsys):

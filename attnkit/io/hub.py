@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import INDEX_FILE, LazyCheckpoint, keys_of
+from attnkit.io.checkpoint import INDEX_FILE, LazyCheckpoint, keys_of, scratch_dir
 from attnkit.io.model_card import CARD_FILE, generated_card, save_card
 
 # Never uploaded: training state, caches, editor/OS litter and attnkit's own temporary files.
@@ -244,9 +244,10 @@ def _validate_card(endpoint: str, token: str, content: str) -> None:
 def staged_folder(plan: PushPlan, card: str | None) -> Iterator[Path]:
     """A temporary folder that `upload_folder` sees as the folder to push: a symlink per file of the
     plan (no copy of the weights), with README.md replaced by `card` when one is given. Why: the
-    upload must carry the new card while the user's folder stays as it was until the push succeeded."""
-    with tempfile.TemporaryDirectory(prefix="attnkit-push-") as tmp:
-        stage = Path(tmp)
+    upload must carry the new card while the user's folder stays as it was until the push succeeded.
+    Named with this process's pid in the system's temporary folder (`scratch_dir`), so that what a
+    SIGKILLed push left there is removed by the next one."""
+    with scratch_dir(Path(tempfile.gettempdir()) / "attnkit-push") as stage:
         for rel in plan.files:
             if card is not None and rel == CARD_FILE:
                 continue
