@@ -158,3 +158,20 @@ def test_eval_flag_evaluates_the_output_against_its_source(tmp_path, calib, llam
 def test_eval_flag_checks_its_tasks_before_converting(tmp_path, calib, llama, capsys):
     refused_in_one_line(lambda: _convert(llama, tmp_path / "out", calib, "--eval", "--tasks", "attnkit-nope"),
                         capsys, tmp_path / "out", "attnkit-nope")
+
+
+def test_one_progress_bar_over_the_pre_pass_and_the_conversion(tmp_path, calib, llama, capfd):
+    """One bar names the model and walks both passes, so its ETA covers the whole conversion; the
+    bar ends full (each pass's layers weighted by the rows it reads)."""
+    from attnkit.converters.mla.progress import CONVERT_READS, PRE_PASS_READS, ConversionProgress, pre_pass_rows
+
+    bar = ConversionProgress("m", 3, 40, pre_pass=True)
+    assert bar.bar.total == 3 * (PRE_PASS_READS * pre_pass_rows(40) + CONVERT_READS * 40)
+    for what in ("rope scores", "convert"):
+        assert list(bar.walk(what)) == [0, 1, 2]
+    assert bar.bar.n == bar.bar.total
+    assert _convert(llama, tmp_path / "out", calib, "--rope-dim", "8", "--kv-lora-rank", "17") == 0
+    err = capfd.readouterr().err
+    assert f"{Path(llama).name}: convert --to mla" in err and "rope scores, layer 1/" in err and "convert, layer 1/" in err
+    assert "(pre-pass)" not in err  # no second bar of its own
+    assert "100%" in err

@@ -23,6 +23,7 @@ from attnkit.converters.mla.budget import budget_values, refine_candidates, spli
 from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
 from attnkit.converters.mla.engines import ladder_stride
 from attnkit.converters.mla.native import target_for
+from attnkit.converters.mla.progress import ConversionProgress, pre_pass_rows
 from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, layer_damping, refit_params, rope_damping
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings, rope_cap
@@ -43,17 +44,21 @@ class Candidate:
     refit: str = "off"  # off | attention | uniform
 
 
-def rope_score_pass(src, s, calib: torch.Tensor, scratch: Path | None = None) -> list[torch.Tensor]:
+def rope_score_pass(src, s, calib: torch.Tensor, scratch: Path | None = None,
+                    progress: ConversionProgress | None = None) -> list[torch.Tensor]:
     """Pre-pass: every layer's RoPE component scores (`layer.slot_counts` turns them into slots per
     frequency for a rope_dim, `engines.ladder_stride` into the stride of a plain ladder).
 
     Scores only rank components, so a quarter of the calibration rows (at least 4) is enough; the
-    loss scores' damping comes from the same first REFIT_ROWS rows as in the converter's pass."""
+    loss scores' damping comes from the same first REFIT_ROWS rows as in the converter's pass.
+    `progress`: the conversion's bar to advance (else a bar of its own)."""
     n_layers = src.config["num_hidden_layers"]
     scores = []
     with _scratch_dir(scratch) as tmp:
-        h = embedded(src, calib[: max(4, calib.shape[0] // 4)], tmp / "rope-prepass.f32")
-        for layer in tqdm(range(n_layers), desc=f"{src.path.name}: rope scores (pre-pass)", unit="layer"):
+        h = embedded(src, calib[: pre_pass_rows(calib.shape[0])], tmp / "rope-prepass.f32")
+        layers = progress.walk("rope scores") if progress is not None else tqdm(
+            range(n_layers), desc=f"{src.path.name}: rope scores (pre-pass)", unit="layer")
+        for layer in layers:
             src_pe = source_pe(src, calib.shape[1], s.device, layer)
             module = load_layer(src, layer, s.device, mlp=layer < n_layers - 1)  # the last layer's output is not read
             view = layer_view(src, s.format, module, h, src_pe, s.device)

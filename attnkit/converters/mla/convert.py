@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
@@ -33,6 +32,7 @@ from attnkit.converters.mla.metrics import ErrorStat
 from attnkit.converters.mla.engines import (ANCHOR_RATIOS, MIX_CHANNELS, KvbRefit, anchor_row, engine_attention_tensors,
                                             latent_rows, norm_spread, normalised_latent,
                                             pad_value_heads, steady_mix)
+from attnkit.converters.mla.progress import ConversionProgress
 from attnkit.converters.mla.native import (Target, constant_for, native_attention_tensors, target_for,
                                            written_attention)
 from attnkit.converters.mla.qknorm import attnkit_tensors, format_note, write_code
@@ -69,6 +69,7 @@ class Plan:
     counts: torch.Tensor | None  # RoPE slots per source frequency (exact frequencies)
     stride: int  # of the kept source frequency pairs (ladder frequencies)
     budget: dict | None  # the report's `kv_budget` section
+    progress: ConversionProgress  # one bar over the pre-pass and the conversion
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -120,11 +121,13 @@ def plan(src: Source, s: Settings, scratch: Path) -> Plan:
     if s.kv_budget is not None:  # measured choice of (kv_lora_rank, rope_dim); sets them in s
         budget, scores = choose_split(src, s, calib, tokenizer, held_out.shape[0], scratch)
     return_freed_memory(trim=True)
-    if scores is None and s.rope_frequencies != "geometric":
-        scores = rope_score_pass(src, s, calib, scratch)
+    pre_pass = scores is None and s.rope_frequencies != "geometric"
+    progress = ConversionProgress(src.path.name, src.config["num_hidden_layers"], calib.shape[0], pre_pass)
+    if pre_pass:
+        scores = rope_score_pass(src, s, calib, scratch, progress)
     counts, stride = rope_slots(scores, s.rope_frequencies, src.shape.d, s.rope_dim)
     target = target_for(src, s, s.rope_dim, counts, s.kv_lora_rank, stride)
-    return Plan(src, s, calib, held_out, held_note, target, counts, stride, budget)
+    return Plan(src, s, calib, held_out, held_note, target, counts, stride, budget, progress)
 
 
 def _write_legacy_fields(folder: Path) -> str:
@@ -198,9 +201,10 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     streams = {"source": h0, **{k: h0.copy(scratch / f"{k}.f32") for k in stages}}
     attn_err = {k: ErrorStat() for k in stages}
     per_layer = []
-    for layer in tqdm(range(src.config["num_hidden_layers"]), desc=f"{src.path.name}: convert --to mla", unit="layer"):
+    for layer in p.progress.walk("convert"):
         per_layer.append(_convert_layer(src, s, t, layer, h_cal, streams, attn_err))
         return_freed_memory(trim=True)
+    p.progress.close()
     h_cal.close()
     embed_name = fam.embed + ".weight"
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
