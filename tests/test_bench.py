@@ -137,4 +137,16 @@ def test_one_progress_bar_over_both_models_names_each(models, capsys):
                  "--decode-tokens", "2", "--repeats", "1", "--device", "cpu", "--threads", "1"]) == 0
     err = capsys.readouterr().err
     assert f"{models / 'mla'} ctx=8 batch=2" in err and f"{models / 'gqa'} ctx=8 batch=1" in err
-    assert "4/4" in err and "/2 " not in err  # one total: 2 models x 1 context x 2 batch sizes
+    assert "100%" in err and err.count("bench:") >= 2  # one bar for the whole run, full at the end
+
+
+def test_progress_weights_cases_by_their_work():
+    """A case counts by its arithmetic: a 16K context is far more than 16x a 1K one (attention), twice
+    the batch twice the work; the weights' own cost dominates short contexts of a large model."""
+    from attnkit.evaluation.bench import case_weight
+
+    small = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": 64, "intermediate_size": 768}
+    big = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "head_dim": 64, "intermediate_size": 8192}
+    assert case_weight(small, 16384, 1, 32) > 16 * 4 * case_weight(small, 1024, 1, 32)
+    assert case_weight(small, 1024, 2, 32) == pytest.approx(2 * case_weight(small, 1024, 1, 32))
+    assert case_weight(big, 4096, 1, 0) < 1.2 * 4 * case_weight(big, 1024, 1, 0)  # nearly linear there

@@ -288,6 +288,21 @@ def warm_up(model, device: torch.device, timer: AttentionTimer) -> None:
     measure_once(model, ids, 2, timer, 1.0)
 
 
+def case_weight(raw: dict, context: int, batch: int, decode_tokens: int) -> float:
+    """A case's share of the progress bar: its arithmetic, roughly. Per token the weights cost about
+    2·P FLOPs and attention over t earlier tokens 4·L·H·d·t, so a prefill of c tokens plus the decode
+    costs ∝ batch · n · (1 + n·L·H·d / P) with n = c + decode tokens (P from the config). Why: counted
+    as one case each, a 16K context — hundreds of times a 1K one's work — made the ETA useless."""
+    text = raw.get("text_config") or raw
+    D, L = int(text.get("hidden_size", 1)), int(text.get("num_hidden_layers", 1))
+    H = int(text.get("num_attention_heads", 1))
+    d = int(text.get("head_dim") or D // max(H, 1))
+    inter = int(text.get("intermediate_size") or 4 * D)
+    params = L * (4 * D * D + 3 * D * inter)  # attention + gated MLP, no embeddings
+    n = context + decode_tokens
+    return batch * n * (1 + n * L * H * d / max(params, 1))
+
+
 def bench_model(spec: str, path: Path, raw: dict, attn: str, args, device, dtype, bandwidth: float, progress) -> dict:
     model, info = load_model(spec, path, raw, attn, dtype, device)
     if not info["mla"]:
@@ -305,7 +320,7 @@ def bench_model(spec: str, path: Path, raw: dict, attn: str, args, device, dtype
         for batch in args.batch:
             progress.set_postfix_str(f"{spec} ctx={context} batch={batch}")
             info["results"].append(run_case(model, info, context, batch, args, timer, bandwidth, device))
-            progress.update(1)
+            progress.update(case_weight(raw, context, batch, args.decode_tokens))
     timer.remove()
     del model
     gc.collect()
@@ -354,7 +369,8 @@ def _main(args) -> int:
                     "cpu_count": psutil.cpu_count(), "memory_bandwidth": bw},
         "models": {},
     }
-    with tqdm(total=len(specs) * len(args.context) * len(args.batch), desc="bench", unit="case") as progress:
+    total = sum(case_weight(raw, c, b, args.decode_tokens) for *_, raw in specs for c in args.context for b in args.batch)
+    with tqdm(total=total, desc="bench", bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]{postfix}") as progress:
         for label, spec, attn, path, raw in specs:
             result["models"][label] = bench_model(spec, path, raw, attn, args, device, dtype, bw["bytes_per_s"], progress)
     if args.baseline:
