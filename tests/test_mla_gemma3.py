@@ -263,3 +263,10 @@ def test_without_trust_remote_code_transformers_says_so(tmp_path, compressed):
     code = f"from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({str(compressed)!r})"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode != 0 and "trust_remote_code=True" in run.stderr
+
+
+def test_kv_budget_is_refused_for_rope_per_layer_type(tmp_path, capsys):
+    """Gemma-3's RoPE and windows follow its layer types; the candidate evaluator does not: one line."""
+    src = _saved(tmp_path / "src")
+    refused_in_one_line(lambda: main(["convert", "--to", "mla", str(src), "-o", str(tmp_path / "out"), "--kv-budget", "0.3"]),
+                        capsys, tmp_path / "out", "--kv-budget", "per layer type")

@@ -160,7 +160,7 @@ def test_olmo2_as_deepseek_v3_is_refused_in_one_line(tmp_path, calib, capsys):
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--kv-budget", "0.3"], "--kv-budget and --v-head-dim are not available with --format attnkit"),
+    (["--v-head-dim", "32"], "--v-head-dim is not available with --format attnkit"),
     (["--rope-frequencies", "ladder"], "--format attnkit rotates the shared RoPE key"),
     (["--kv-lora-rank", "33", "--rope-dim", "32"], "--kv-lora-rank must be in 2..32"),
 ])
@@ -222,3 +222,28 @@ def test_bundled_model_words_resolve_or_say_how_to_build(tmp_path, monkeypatch):
     (tmp_path / "reference-qwen3").mkdir()
     (tmp_path / "reference-qwen3" / "config.json").write_text("{}")
     assert resolve.resolve_model("reference-qwen3") == tmp_path / "reference-qwen3"
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "olmo2"])
+def test_kv_budget_chooses_an_attnkit_split_on_the_lifted_view(tmp_path, calib, kind):
+    """--kv-budget with the attnkit format: candidates built on the normed keys (the converter's own
+    view), the latent counted without a norm channel; the choice converts to the same tensors when
+    named explicitly."""
+    from safetensors.torch import load_file
+
+    src = _saved(tmp_path / "src", kind)
+    out, explicit = tmp_path / "out", tmp_path / "explicit"
+    assert _convert(src, out, calib, "--kv-budget", "0.5") == 0
+    report = json.loads((out / "attnkit_report.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    chosen, total = report["kv_budget"]["chosen"], report["kv_budget"]["values_per_token_layer"]
+    assert total == G * D_HEAD  # half of 2 G d
+    assert chosen["kv_lora_rank"] + chosen["rope_dim"] <= total and len(report["kv_budget"]["candidates"]) >= 3
+    assert "auto_map" in cfg  # the attnkit format
+    assert (cfg["attnkit"]["kv_lora_rank"], 2 * len(cfg["attnkit"]["rope_pairs"])) == (chosen["kv_lora_rank"], chosen["rope_dim"])
+    best = min(report["kv_budget"]["candidates"], key=lambda c: c["kl"])
+    assert (best["kv_lora_rank"], best["rope_dim"]) == (chosen["kv_lora_rank"], chosen["rope_dim"])
+    assert _convert(src, explicit, calib, "--kv-lora-rank", str(chosen["kv_lora_rank"]), "--rope-dim",
+                    str(chosen["rope_dim"])) == 0
+    a, b = load_file(next(out.glob("*layers*.safetensors"))), load_file(next(explicit.glob("*layers*.safetensors")))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -23,18 +23,21 @@ def budget_values(shape: Shape, fraction: float) -> int:
     return int(fraction * 2 * shape.G * shape.d + 1e-9)
 
 
-def split_candidates(shape: Shape, total: int, rope_cap: int, points: int = 6) -> list[tuple[int, int]]:
+def split_candidates(shape: Shape, total: int, rope_cap: int, points: int = 6,
+                     norm_channel: bool = True) -> list[tuple[int, int]]:
     """(kv_lora_rank, rope_dim) pairs with rank + rope_dim <= total, rope_dim even and spread over
-    [2, min(rope_cap, total - 2)], rank >= 2 and <= its maximum (a full latent caps the rank)."""
+    [2, min(rope_cap, total - 2)], rank >= 2 and <= its maximum (a full latent caps the rank; without
+    `norm_channel`, the attnkit format's latent, one less)."""
     hi = min(rope_cap, total - 2)
     if hi < 2:
         return []
     raw = torch.linspace(2, hi, points) if points > 1 else torch.tensor([float(hi)])
     rope_dims = sorted({max(2, min(hi - hi % 2, 2 * round(float(v) / 2))) for v in raw})
-    return [(min(total - dr, max_rank(shape, dr)), dr) for dr in rope_dims]
+    return [(min(total - dr, max_rank(shape, dr) - (not norm_channel)), dr) for dr in rope_dims]
 
 
-def refine_candidates(shape: Shape, total: int, tried: list[int], best: int, rope_cap: int) -> list[tuple[int, int]]:
+def refine_candidates(shape: Shape, total: int, tried: list[int], best: int, rope_cap: int,
+                      norm_channel: bool = True) -> list[tuple[int, int]]:
     """Splits halfway between the best rope_dim and its tried neighbours (even, not yet tried)."""
     ordered = sorted(tried)
     i = ordered.index(best)
@@ -43,7 +46,7 @@ def refine_candidates(shape: Shape, total: int, tried: list[int], best: int, rop
         if 0 <= j < len(ordered):
             mid = (ordered[j] + best) // 4 * 2
             if mid not in tried and 2 <= mid <= min(rope_cap, total - 2) and mid not in [c[1] for c in out]:
-                out.append((min(total - mid, max_rank(shape, mid)), mid))
+                out.append((min(total - mid, max_rank(shape, mid) - (not norm_channel)), mid))
     return out
 
 

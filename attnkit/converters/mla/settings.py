@@ -61,8 +61,10 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, family=None) 
                            "to DeepSeek models; use it with --target transformers, or ladder/geometric")
     cap = rope_cap(shape, frequencies)
     budget = getattr(args, "kv_budget", None)
-    if fmt == "attnkit" and (budget is not None or getattr(args, "v_head_dim", None)):
-        raise AttnkitError("--kv-budget and --v-head-dim are not available with --format attnkit; "
+    if fmt == "attnkit" and getattr(args, "v_head_dim", None):
+        raise AttnkitError("--v-head-dim is not available with --format attnkit (its values are not padded for engines)")
+    if budget is not None and family is not None and family.by_layer_type:
+        raise AttnkitError(f"--kv-budget is not available for {family.model_type} (RoPE and windows per layer type); "
                            "give --kv-lora-rank and --rope-dim")
     if budget is not None:
         _check_budget(args, shape, budget)

@@ -150,10 +150,11 @@ def mlp_tensors(module: torch.nn.Module, family: Family) -> dict[str, torch.Tens
 
 
 def run_stage_layer(module, family, attend, h):
-    """One decoder layer of the source with its attention replaced by `attend` (pre-norm residual)."""
-    norm1, norm2 = getattr(module, family.norms[0]), getattr(module, family.norms[1])
-    h = h + attend(norm1(h))
-    return h + module.mlp(norm2(h))
+    """One decoder layer of the source with its attention replaced by `attend`, which takes the
+    attention's normed input: h + post1(attend(norm1(h))), then h + post2(mlp(norm2(h))) (`layer_norms`)."""
+    norm1, post1, norm2, post2 = layer_norms(module, family)
+    h = h + post1(attend(norm1(h)))
+    return h + post2(module.mlp(norm2(h)))
 
 
 def embedded(src: Source, ids: torch.Tensor, path: Path) -> RowStore:
