@@ -150,3 +150,13 @@ def test_progress_weights_cases_by_their_work():
     assert case_weight(small, 16384, 1, 32) > 16 * 4 * case_weight(small, 1024, 1, 32)
     assert case_weight(small, 1024, 2, 32) == pytest.approx(2 * case_weight(small, 1024, 1, 32))
     assert case_weight(big, 4096, 1, 0) < 1.2 * 4 * case_weight(big, 1024, 1, 0)  # nearly linear there
+
+
+def test_out_never_overwrites_a_picture_it_did_not_write(models, tmp_path, capsys):
+    """The PNG beside --out is replaced only when the JSON there is an earlier bench result of ours."""
+    out = tmp_path / "r.json"
+    (tmp_path / "r.png").write_bytes(b"someone else's plot")
+    assert main(["bench", str(models / "mla"), "--context", "8", "--decode-tokens", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "r.png exists" in err[0]
+    assert (tmp_path / "r.png").read_bytes() == b"someone else's plot" and not out.exists()

@@ -356,6 +356,10 @@ def _main(args) -> int:
         from attnkit.io.checkpoint import check_results_file
 
         check_results_file(Path(args.out), "attnkit.bench/v1", "bench")
+        png = Path(args.out).with_suffix(".png")
+        if png.exists() and not Path(args.out).is_file():  # beside no results of ours: someone else's picture
+            raise AttnkitError(f"{png} exists and was not written by an earlier `attnkit bench --out {args.out}`; "
+                               "give another --out name")
     specs = [("model", args.model, args.attn)]
     if args.baseline:
         specs.append(("baseline", args.baseline, getattr(args, "baseline_attn", None) or args.attn))
