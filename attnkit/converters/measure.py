@@ -5,6 +5,7 @@ conversion, layer by layer, and comparing them (the per-step report of `convert 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,23 +20,28 @@ from attnkit.io.rowstore import RowStore
 MMAP_THRESHOLD = 1 << 20  # bytes: larger blocks are mmapped, so freeing them returns them to the OS
 
 
+@functools.cache
+def _libc():
+    """glibc's malloc controls, or None where there are none (another libc, another OS)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 def _mallopt_mmap_threshold(nbytes: int) -> None:
     """glibc's M_MMAP_THRESHOLD, and its M_TRIM_THRESHOLD at twice that, as glibc's own dynamic policy
     pairs them (setting one by hand otherwise leaves the heap's top trimmed at 128 KiB: every free
     there hands pages back that the next allocation faults in again)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
+    if (libc := _libc()) is not None:
         libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 2 * nbytes)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    if (libc := _libc()) is not None:
+        libc.malloc_trim(0)
 
 
 def return_freed_memory(trim: bool = False) -> None:

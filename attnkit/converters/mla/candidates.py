@@ -154,7 +154,6 @@ def _evaluate_layer(src, s, layer: int, h_cal, streams: dict, candidates: list[C
     norm1 = layer_norms(module, fam)[0]
     view = layer_view(src, s.format, module, h_cal, cal_pe, dev)  # QK norms lifted or folded, as the converter's
     mom, aw, shape = view_moment(module, src, view, h_cal, dev).value, view.aw, view.shape
-    channel = s.format != "attnkit"  # the attnkit format's latent has no norm channel to count
     with torch.no_grad():
         modes = weights_needed(candidates) | ({s.refit_query} if s.rope_score == "loss" else set())
         x_w = view.attn_input(norm1(h_cal.read(0, REFIT_ROWS).to(dev))) if modes else None
@@ -171,7 +170,7 @@ def _evaluate_layer(src, s, layer: int, h_cal, streams: dict, candidates: list[C
             p = mla.build_stage(aw, plan, shape, mom, scale_src=source_scale(src), scale_tgt=tgt.scale,
                                 rope_src=src_att, rope_tgt=tgt.attention_scaling,
                                 beta=mla.balance_factor(split, aw, mom, metrics), metrics=metrics,
-                                rank=c.ranks[layer] - channel, centred=s.target != "engines")
+                                rank=c.ranks[layer] - s.norm_channel, centred=s.target != "engines")
             if c.refit != "off":
                 p = refit_params(p, aw, plan, src, mom, weights[c.refit], src_inv)
             attend = view.wrap(mla.attention_fn(p, positions, dev)[0])  # on the normed hidden states
@@ -229,8 +228,7 @@ def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int,
     shape, layers = src.shape, src.config["num_hidden_layers"]
     total = budget_values(shape, s.kv_budget)
     cap = rope_cap(shape, s.rope_frequencies)
-    channel = s.format != "attnkit"
-    splits = split_candidates(shape, total, cap, norm_channel=channel)
+    splits = split_candidates(shape, total, cap, norm_channel=s.norm_channel)
     if not splits:
         raise AttnkitError(f"--kv-budget {s.kv_budget} is too small for this model ({total} values per token and layer)")
     rows, rows_note = selection_rows(tokenizer, s, calib, n_held)
@@ -243,7 +241,7 @@ def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int,
         table.update(res)
         best = min(table.values(), key=lambda m: m["kl"])
         splits = refine_candidates(shape, total, [m["rope_dim"] for m in table.values()], best["rope_dim"], cap,
-                                   norm_channel=channel)
+                                   norm_channel=s.norm_channel)
         if not splits:
             break
     best = min(table.values(), key=lambda m: m["kl"])

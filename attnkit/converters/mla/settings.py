@@ -34,10 +34,15 @@ class Settings(StreamSettings):
     PRIVATE: ClassVar[tuple[str, ...]] = (*StreamSettings.PRIVATE, "src_itemsize")
 
     @property
+    def norm_channel(self) -> bool:
+        """Whether one latent channel serves the latent norm: its constant (transformers target) or its
+        anchor (engine target); the attnkit format has no latent norm."""
+        return self.format != "attnkit"
+
+    @property
     def data_rank(self) -> int:
-        """Latent channels that carry data: one carries the latent norm's constant (transformers
-        target) or its anchor (engine target); the attnkit format has no latent norm, all carry data."""
-        return self.kv_lora_rank - (self.format != "attnkit")
+        """Latent channels that carry data (`norm_channel`: all but one)."""
+        return self.kv_lora_rank - self.norm_channel
 
 
 def rope_cap(shape: Shape, frequencies: str) -> int:
