@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,8 +155,10 @@ def pack_tokens(
     seq_len: int = 512,
     n_tokens: int | None = None,
     seed: int = 0,
+    transform: Callable[[str], str] | None = None,
 ) -> torch.Tensor:
     """Tokenise documents (in a seed-shuffled order), join them with EOS and cut into rows.
+    `transform` rewrites each document's text first (training needles: `attnkit.needles`).
 
     Returns a LongTensor [n_rows, seq_len]; stops once `n_tokens` tokens are collected.
     Raises AttnkitError if the source cannot fill one row.
@@ -168,6 +170,7 @@ def pack_tokens(
     batch = 8 if n_tokens is not None else 64  # a small batch reads and tokenises little past n_tokens
     for start in range(0, len(docs), batch):
         texts = [t for t in (d.read() for d in docs[start : start + batch]) if t.strip()]
+        texts = [transform(t) for t in texts] if transform is not None else texts
         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else ():
             stream.extend(ids)
             if eos is not None:

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from attnkit.data import pack_tokens
+from attnkit.needles import NeedlePlanter
 from attnkit.errors import AttnkitError
 
 
@@ -65,9 +66,19 @@ def plan_steps(data, train, world_size: int) -> tuple[int, int]:
 
 
 def load_train_rows(tokenizer, data, rows_needed: int) -> torch.Tensor:
-    """Pack the training split; refuse a source too small for one optimizer step."""
-    rows = pack_tokens(tokenizer, data.source, "train", data.seq_len, rows_needed * data.seq_len, data.seed)
-    return rows
+    """Pack the training split, with needles planted when the recipe asks for them."""
+    return pack_tokens(tokenizer, data.source, "train", data.seq_len, rows_needed * data.seq_len, data.seed,
+                       transform=needle_planter(tokenizer, data))
+
+
+def needle_planter(tokenizer, data) -> NeedlePlanter | None:
+    if not data.needles.spacing:
+        return None
+
+    def count(lines: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer([line + "\n" for line in lines], add_special_tokens=False)["input_ids"]]
+
+    return NeedlePlanter(count, tuple(data.needles.spacing), tuple(data.needles.distance), seed=data.seed)
 
 
 def check_enough(rows: torch.Tensor, rows_per_step: int, source: str) -> None:

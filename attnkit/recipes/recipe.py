@@ -18,12 +18,21 @@ CACHE_DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass
+class NeedleSection:
+    """Recall needles planted into the training rows (`attnkit.needles`); validation rows stay plain."""
+
+    spacing: list[int] = field(default_factory=list)  # [lo, hi] tokens between needles; empty: none
+    distance: list[int] = field(default_factory=lambda: [140, 400])  # [lo, hi] tokens to the question
+
+
+@dataclass
 class DataSection:
     source: str = "python"  # any source spec of attnkit.data (python, python+site, file/folder, hf:NAME)
     seq_len: int = 256
     tokens: int = 100_000  # healing tokens seen in total (all processes); sets the number of steps
     val_tokens: int = 16_384  # held-out tokens (validation split) for the validation loss
     seed: int = 0
+    needles: NeedleSection = field(default_factory=NeedleSection)
 
 
 @dataclass
@@ -158,6 +167,12 @@ def check_recipe(r: Recipe) -> None:
         ("train.weight_decay", r.train.weight_decay),
     ]:
         _need(value >= 0, key, f"must be >= 0, got {value}")
+    for key in ("spacing", "distance"):
+        lo_hi = getattr(r.data.needles, key)
+        if key == "spacing" and not lo_hi:
+            continue
+        _need(len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1], f"data.needles.{key}",
+              f"must be two token counts [lo, hi] with 1 <= lo <= hi, got {lo_hi}")
     _need(r.train.max_steps is None or r.train.max_steps > 0, "train.max_steps", "must be positive")
     _need(r.train.lr > 0, "train.lr", f"must be positive, got {r.train.lr}")
     _need(0 <= r.train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")

@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import string
 from pathlib import Path
 
 from attnkit.data import Document, iter_documents, shuffled
+from attnkit.needles import needle_line, question, random_value
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"
@@ -72,10 +72,6 @@ def complete_items(docs: list[Document], n: int, rng: random.Random, per_doc: in
     return items
 
 
-def _value(rng: random.Random) -> str:
-    return "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(6))
-
-
 def recall_items(docs: list[Document], tokenizer, length: int, n: int, rng: random.Random) -> list[dict]:
     """Code of about `length` tokens with one `name = "value"` line in its first quarter; query it.
 
@@ -104,12 +100,12 @@ def _needle_item(item_id: str, lines: list[str], place: tuple[int, int], rng: ra
     """`lines` with a `name = "value"` line inserted before a line drawn from range(*place), asked
     for at the end; four choices (three values never in the context), shuffled."""
     name = f"{rng.choice(_NAMES)}_{rng.randint(10, 99)}"
-    values = [_value(rng) for _ in range(4)]
+    values = [random_value(rng) for _ in range(4)]
     at = rng.randrange(*place)
-    lines = [*lines[:at], f'{name} = "{values[0]}"', *lines[at:]]
+    lines = [*lines[:at], needle_line(name, values[0]), *lines[at:]]
     choices = [f'{v}"' for v in values]
     order = rng.sample(range(4), 4)
-    return {"id": item_id, "context": "\n".join(lines) + f'\n\nassert {name} == "',
+    return {"id": item_id, "context": "\n".join(lines) + "\n\n" + question(name),
             "choices": [choices[i] for i in order], "gold": order.index(0)}
 
 
