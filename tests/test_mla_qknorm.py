@@ -247,3 +247,29 @@ def test_kv_budget_chooses_an_attnkit_split_on_the_lifted_view(tmp_path, calib, 
                     str(chosen["rope_dim"])) == 0
     a, b = load_file(next(out.glob("*layers*.safetensors"))), load_file(next(explicit.glob("*layers*.safetensors")))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fold_bound_script_scalings():
+    """benchmarks/qknorm_fold_bound.py: `exact` is the norm itself; with one KV head and ε = 0 the latent
+    scaling is the per-head norm again (its factor is 1/RMS(k) exactly), values untouched."""
+    from conftest import load_benchmark
+
+    fb = load_benchmark("qknorm_fold_bound.py", "bench_qknorm_fold_bound")
+    torch.manual_seed(0)
+    norm = torch.nn.RMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    k, v = torch.randn(2, 5, 8) * 3, torch.randn(2, 5, 8)  # [B, T, G d] with G = 1
+    box = {"calib_f": fb.latent_factor(k, v, 0.0, torch.tensor(1.0))[..., None]}
+    keep = torch.ones(8, dtype=torch.bool)
+    x = k.unflatten(-1, (1, 8))
+    torch.testing.assert_close(fb.Side(norm, x, "exact", box, keep)(x), norm(x))
+    key_proj = fb.KeyProj(lambda _: k, lambda _: v, 0.0, torch.tensor(1.0), box)
+    key_proj(None)
+    torch.testing.assert_close(fb.Side(norm, x, "latent", box, keep)(x), norm(x), rtol=1e-5, atol=1e-5)
+    values = fb.ValueScaled(lambda _: v, box["calib_f"].mean(), box)(None)
+    inv_rms = 1 / k.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, 1]
+    torch.testing.assert_close(values, v * inv_rms / inv_rms.mean())  # values scaled as the latent is
+    const = fb.Side(norm, x, "const", box, keep)(x)
+    assert not torch.allclose(const, norm(x), rtol=1e-3)  # a constant cannot follow the per-token RMS
+    assert fb.rope_keep(8, 1).tolist() == [False, True, True, True, False, True, True, True]
