@@ -380,3 +380,24 @@ def test_position_ppl_scores_every_token_once_like_lm_eval(tiny):
         logits = model(input_ids=torch.tensor([t[:-1]])).logits[0]
         direct += float(F.cross_entropy(logits[-n:], torch.tensor(t[-n:]), reduction="sum"))
     assert float(acc[:, 0].sum()) == pytest.approx(direct, rel=1e-6)
+
+
+def test_a_diverged_loss_stops_the_run_in_one_line_and_writes_nothing(tiny, tmp_path, capsys, monkeypatch):
+    import attnkit.recipes.finetune as ft
+
+    calls = {"n": 0}
+
+    def nan_from_the_third(*args, **kwargs):
+        loss, parts = heal_loss(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), parts) if calls["n"] >= 3 else (loss, parts)
+
+    monkeypatch.setattr(ft, "heal_loss", nan_from_the_third)
+    recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])
+    assert run_cli(write_recipe(tmp_path / "r.yaml", **recipe)) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("attnkit: error: training diverged at step 3: ") and "Traceback" not in err
+    assert "loss nan" in last and "grad_norm nan" in last
+    assert "train.lr, now 0.01" in last
+    assert calls["n"] == 3 and not (tmp_path / "out").exists()  # stopped at once; no model written

@@ -277,7 +277,12 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         broadcast_step(model, step, total_steps)
         if teacher is not None:
             broadcast_step(teacher, step, total_steps)
-        parts = _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe)
+        try:
+            parts = _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe, step)
+        except AttnkitError:
+            if progress is not None:  # the bar's last line before the error's, not after it
+                progress.close()
+            raise
         trainer_state["step"] = step + 1
         trainer_state["tokens_seen"] += tokens_per_step
         window_tokens += tokens_per_step
@@ -362,8 +367,11 @@ def _open_cache(accelerator, recipe, plan, fp, rows, used, val_rows, teacher_pat
     return cache, note
 
 
-def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe) -> dict:
-    """`grad_accum` micro-batches → one clipped AdamW step; returns the mean loss parts (all processes)."""
+def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe,
+                    step: int) -> dict:
+    """`grad_accum` micro-batches → one clipped AdamW step; returns the mean loss parts (all processes).
+    A non-finite loss or gradient norm stops the run before the step is taken (on every process: the
+    check reads the all-reduced values): continuing would only train on NaN and write a broken model."""
     accum, loss_cfg = recipe.train.grad_accum, recipe.loss
     want_hidden, want_logits = loss_cfg.hidden_weight > 0, loss_cfg.kl_weight > 0
     # without KL only the teacher's layer outputs are needed: skip its LM head ([b, L, V] logits)
@@ -396,12 +404,17 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
         norm = accelerator.clip_grad_norm_(params, recipe.train.max_grad_norm)
         if norm is not None:  # DeepSpeed clips inside its engine and returns None
             sums["grad_norm"] = float(norm)
+    keys = sorted(sums)
+    mean = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device), reduction="mean")
+    parts = {k: float(v) for k, v in zip(keys, mean.tolist())}
+    bad = [f"{k} {v}" for k, v in parts.items() if not math.isfinite(v)]
+    if bad:
+        raise AttnkitError(f"training diverged at step {step + 1}: {', '.join(bad)}; nothing written to "
+                           f"{recipe.output_dir} (lower train.lr, now {recipe.train.lr:g}, or train.max_grad_norm)")
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    keys = sorted(sums)
-    mean = accelerator.reduce(torch.tensor([sums[k] for k in keys], device=accelerator.device), reduction="mean")
-    return {k: float(v) for k, v in zip(keys, mean.tolist())}
+    return parts
 
 
 def _is_sharded(accelerator) -> bool:
