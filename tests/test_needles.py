@@ -83,3 +83,16 @@ def test_training_rows_carry_needles_and_the_recipe_checks_them(tiny, tmp_path):
         extra = [] if "spacing" in bad else ["data.needles.spacing=[5,9]"]
         with pytest.raises(AttnkitError, match=r"recipe key data\.needles\.(spacing|distance): must be two"):
             load_finetune_recipe(path, [bad, *extra])
+
+
+def test_recall_paired_statistics():
+    from conftest import load_benchmark
+
+    rp = load_benchmark("recall_paired.py", "bench_recall_paired")
+    d = rp.paired([True, True, False, False], [True, False, True, True], resamples=2000)
+    assert d["difference"] == 0.25 and (d["only_a"], d["only_b"]) == (1, 2) and d["mcnemar_p"] == 1.0
+    assert d["ci95"][0] <= 0.25 <= d["ci95"][1]
+    d = rp.paired([False] * 20, [True] * 10 + [False] * 10, resamples=2000)
+    assert d["mcnemar_p"] == pytest.approx(2 / 2**10) and d["ci95"][0] > 0
+    lo, hi = rp.wilson(89, 300)
+    assert (round(lo, 3), round(hi, 3)) == (0.248, 0.351)
