@@ -18,6 +18,7 @@ from dataclasses import dataclass
 VALUE_CHARS = string.ascii_lowercase + string.digits
 TRAIN_NAMES = ["acorn", "basil", "cedar", "dune", "eagle", "fjord", "glade", "heron", "iris", "juniper",
                "kelp", "larch", "maple", "nectar", "onyx", "pine", "quartz", "reed", "sage", "tundra"]
+NAME_COUNT = len(TRAIN_NAMES) * 90  # name_10 .. name_99
 
 
 def random_value(rng: random.Random, length: int = 6) -> str:
@@ -57,7 +58,7 @@ class NeedlePlanter:
             while open_ and open_[0][0] <= pos:
                 _, name, value = open_.pop(0)
                 pos += self._emit(out, question(name) + value + '"')
-            if pos >= next_at:
+            if pos >= next_at and len(open_) < NAME_COUNT:  # every name pending: plant the next one later
                 name = self._name({n for _, n, _ in open_})
                 value = random_value(self.rng)
                 pos += self._emit(out, needle_line(name, value))

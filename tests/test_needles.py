@@ -96,3 +96,10 @@ def test_recall_paired_statistics():
     assert d["mcnemar_p"] == pytest.approx(2 / 2**10) and d["ci95"][0] > 0
     lo, hi = rp.wilson(89, 300)
     assert (round(lo, 3), round(hi, 3)) == (0.248, 0.351)
+
+
+def test_more_pending_needles_than_names_does_not_hang():
+    planter = NeedlePlanter(words, (1, 1), (10**9, 10**9), seed=0)  # a needle every line, never asked
+    out = planter(document(2500)).splitlines()
+    names = [m[1] for line in out if (m := NEEDLE.match(line))]
+    assert len(names) == len(set(names)) == len(TRAIN_NAMES) * 90
