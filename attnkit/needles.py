@@ -10,6 +10,7 @@ the evaluation's) and the training split only.
 
 from __future__ import annotations
 
+import heapq
 import random
 import string
 from collections.abc import Callable
@@ -52,18 +53,17 @@ class NeedlePlanter:
     def __call__(self, text: str) -> str:
         lines = text.splitlines()
         out: list[str] = []
-        open_: list[tuple[int, str, str]] = []  # (position due, name, value), sorted by position
+        open_: list[tuple[int, str, str]] = []  # heap of (position due, name, value)
         pos, next_at = 0, self.rng.randint(*self.spacing)
         for line, size in zip(lines, self.count_tokens(lines) if lines else []):
             while open_ and open_[0][0] <= pos:
-                _, name, value = open_.pop(0)
+                _, name, value = heapq.heappop(open_)
                 pos += self._emit(out, question(name) + value + '"')
             if pos >= next_at and len(open_) < NAME_COUNT:  # every name pending: plant the next one later
                 name = self._name({n for _, n, _ in open_})
                 value = random_value(self.rng)
                 pos += self._emit(out, needle_line(name, value))
-                open_.append((pos + self.rng.randint(*self.distance), name, value))
-                open_.sort()
+                heapq.heappush(open_, (pos + self.rng.randint(*self.distance), name, value))
                 next_at = pos + self.rng.randint(*self.spacing)
             out.append(line)
             pos += size
