@@ -15,18 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from attnkit import __version__
 from attnkit.converters.common import DTYPES, calibration_tokens, check_device, source_dtype, source_info
-from attnkit.converters.dex.heads import normalized_entropy
-from attnkit.converters.diff.layer import head_rms
+from attnkit.converters.calibration import batches, calibrate
 from attnkit.converters.shapes import check_weights
 from attnkit.errors import AttnkitError
 from attnkit.evaluation.kv import kv_as_stored, kv_cache_bytes_per_token, kv_change, short_dtype
 from attnkit.io.checkpoint import LazyCheckpoint, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
 from attnkit.io.resolve import check_causal_lm, resolve_model
+from attnkit.sdpa import fused_kwargs
 
 ANNEAL_FRACTION = 0.25  # λ (and DIFF's norm) ramp in over the first quarter of the fine-tune
 EVAL_ROWS = 4
@@ -46,7 +45,7 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
     weights set by `init`), check the logits, save OUT atomically. `prior`: the MLA report when
     the source is an MLA conversion of the user's model (`--to mla+dex`), `original_path` that
     model: the report's "before" (perplexity, KV cache) is the user's model, not the intermediate one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from attnkit.adapters.modeling_attnkit import CLASSES, install_retrofit
 
@@ -73,7 +72,7 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
     eval_split = "validation" if held_note == "validation split" else "train"
     ppl_original = None if original_path is None else source_ppl(original_path, evaluation, device)
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(device).eval()
+    model = load_fp32(path, device)
     src_dtype = source_dtype(LazyCheckpoint(path))
     stats = calibrate(model, calib, device)
     kv_before = _kv_bytes(model)
@@ -152,58 +151,9 @@ def retrofit_after_mla(args: argparse.Namespace, method: str, fields_for: Fields
         return retrofit(args, method, fields_for, init, source_path=mla_out, prior=prior, original_path=original)
 
 
-def calibrate(model, rows: torch.Tensor, device: torch.device) -> dict:
-    """Per layer and head: mean normalised attention entropy and mean RMS of the head output."""
-    layers = model.config.num_hidden_layers
-    attns = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
-    ent_sum: list = [0.0] * layers
-    rms_sum: list = [0.0] * layers
-    counts = {"ent": [0] * layers, "rms": [0] * layers}
-    hooks = []
-
-    def on_attention(module, _inputs, output):
-        weights = output[1]
-        if weights is None:
-            raise AttnkitError("calibration needs attention weights; the model did not return them")
-        s, n = normalized_entropy(weights)
-        ent_sum[module.layer_idx] = ent_sum[module.layer_idx] + s
-        counts["ent"][module.layer_idx] += n
-
-    def on_o_proj(layer_idx, heads):
-        def hook(_module, inputs):
-            x = inputs[0]
-            s, n = head_rms(x.view(*x.shape[:-1], heads, -1))  # [B, T, H·d_v] -> [B, T, H, d_v]
-            rms_sum[layer_idx] = rms_sum[layer_idx] + s
-            counts["rms"][layer_idx] += n
-
-        return hook
-
-    heads = model.config.num_attention_heads
-    for attn in attns:
-        hooks.append(attn.register_forward_hook(on_attention))
-        hooks.append(attn.o_proj.register_forward_pre_hook(on_o_proj(attn.layer_idx, heads)))
-    try:
-        for batch in tqdm(_batches(rows), desc="calibration", unit="batch", leave=False):
-            model(input_ids=batch.to(device), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    if any(c == 0 for c in counts["ent"]):
-        raise AttnkitError("calibration saw no attention in some layer (sequence length must be at least 2)")
-    entropy = torch.stack([ent_sum[i] / counts["ent"][i] for i in range(layers)]).float()  # [L, H]
-    rms = torch.stack([rms_sum[i] / counts["rms"][i] for i in range(layers)]).float()  # [L, H]
-    return {"entropy": entropy, "head_rms": rms}
-
-
 @torch.no_grad()  # a comparison: no graph (it held every layer's activations and warned)
 def _logits(model, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.cat([model(input_ids=b.to(device), use_cache=False).logits.float().cpu() for b in _batches(rows)])
-
-
-def _batches(rows: torch.Tensor, tokens_per_batch: int = 4096) -> list[torch.Tensor]:
-    """Split [N, T] rows into batches of about `tokens_per_batch` tokens."""
-    size = max(1, tokens_per_batch // rows.shape[1])
-    return list(rows.split(size))
+    return torch.cat([model(input_ids=b.to(device), use_cache=False).logits.float().cpu() for b in batches(rows)])
 
 
 def _compare(before: torch.Tensor, after: torch.Tensor, ids: torch.Tensor) -> dict:
@@ -229,13 +179,21 @@ def _kv_bytes(model) -> int:
     return int(kv_cache_bytes_per_token(model)["total"])
 
 
+def load_fp32(path: Path, device: torch.device):
+    """The model in `path` in fp32 with SDPA attention (fused, V zero-padded for MLA's head sizes): no
+    pass after calibration needs the attention probabilities, and eager's [B, H, T, T] scores at a
+    long measurement context (Titans' state at 4 windows) would not fit."""
+    from transformers import AutoModelForCausalLM
+
+    implementation = fused_kwargs(path).get("attn_implementation", "sdpa")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=implementation).to(device).eval()
+
+
 @torch.no_grad()
 def source_ppl(path: Path, rows: torch.Tensor, device: torch.device) -> float:
     """Perplexity of the model in `path` on `rows` (fp32, freed afterwards): the "before" of a
     retrofit whose input is an intermediate model (`mla+dex` runs DEX on the MLA conversion)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(device).eval()
+    model = load_fp32(path, device)
     try:
         return _ppl(_logits(model, rows, device), rows)
     finally:

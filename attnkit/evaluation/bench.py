@@ -21,7 +21,8 @@ import psutil
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.evaluation.kv import cache_bytes, checkpoint_dtype, kv_as_stored, kv_cache_bytes_per_token, short_dtype
+from attnkit.evaluation.kv import (cache_bytes, cache_keyword, checkpoint_dtype, kv_as_stored, kv_cache_bytes_per_token,
+                                  returned_cache, short_dtype)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -101,14 +102,8 @@ class AttentionTimer:
 
 
 def _forward_kwargs(model: torch.nn.Module) -> tuple[str, bool]:
-    """The cache keyword this model's forward takes (`cache` in transformers ≥ 5.x) and logits_to_keep support."""
-    params = inspect.signature(model.forward).parameters
-    return ("cache" if "cache" in params else "past_key_values"), "logits_to_keep" in params
-
-
-def _returned_cache(out):
-    found = getattr(out, "cache", None)
-    return found if found is not None else getattr(out, "past_key_values", None)
+    """The cache keyword this model's forward takes and logits_to_keep support."""
+    return cache_keyword(model), "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 @torch.no_grad()
@@ -128,7 +123,7 @@ def measure_once(model, ids: torch.Tensor, decode_tokens: int, timer: AttentionT
     for start in range(0, prompt, step):
         past = {cache_kw: cache} if cache is not None else {}
         out = model(input_ids=ids[:, start : start + step], use_cache=True, **past, **extra)
-        cache = _returned_cache(out)
+        cache = returned_cache(out)
     sync(device)
     prefill_s = clock() - t0
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]

@@ -81,16 +81,34 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def run_for_cache(model: torch.nn.Module, batch: int, seq_len: int) -> Any:
-    """One forward pass over `batch × seq_len` token ids; returns the cache the model filled."""
+@torch.no_grad()  # a measurement: no graph
+def run_for_cache(model: torch.nn.Module, batch: int, seq_len: int, chunk: int | None = None) -> Any:
+    """A forward pass over `batch × seq_len` token ids; returns the cache the model filled. `chunk`:
+    prefill `chunk` tokens at a time into the same cache, as a server does, so a bounded-attention
+    model (Titans' window) never builds its [T, T] mask over the whole context."""
+    import inspect
+
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     # [batch, seq_len] deterministic ids inside the vocabulary
     ids = (torch.arange(batch * seq_len) % max(vocab - 1, 1) + 1).view(batch, seq_len).to(_model_device(model))
-    out = model(input_ids=ids, use_cache=True)
+    cache = None
+    for start in range(0, seq_len, chunk or seq_len):
+        piece = ids[:, start:start + (chunk or seq_len)]
+        extra = {} if cache is None else {cache_keyword(model): cache}
+        cache = returned_cache(model(input_ids=piece, use_cache=True, **extra))
+    return cache
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword this model's forward takes its cache by (`cache` in transformers ≥ 5.x)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(out) -> Any:
     found = getattr(out, "cache", None)
-    if found is None:
-        found = getattr(out, "past_key_values", None)
-    return found
+    return found if found is not None else getattr(out, "past_key_values", None)
 
 
 def kv_cache_bytes_per_token(model: torch.nn.Module) -> dict:

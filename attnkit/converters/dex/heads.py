@@ -39,16 +39,19 @@ def parse_heads(heads: str, heads_fraction: float) -> tuple[str, float]:
     return rule, float(fraction)
 
 
-def normalized_entropy(weights: torch.Tensor) -> torch.Tensor:
+def normalized_entropy(weights: torch.Tensor, first_query: int | None = None) -> tuple[torch.Tensor, int]:
     """Per-head normalised entropy summed over positions ≥ 1, and the count of those positions.
 
-    weights: [B, H, T, S] causal attention probabilities (the last T keys are the T queries).
-    Returns (sum [H], count int) so that batches can be accumulated before dividing.
+    weights: [B, H, T, S] causal attention probabilities of T consecutive queries; query j of the
+    block is key `first_query + j` and sees keys 0 .. first_query + j (default S - T: the last T keys
+    are the T queries, a whole sequence). Returns (sum [H], count int) so that batches and blocks of
+    query rows can be accumulated before dividing.
     """
     bsz, heads, t_len, s_len = weights.shape
+    first = s_len - t_len if first_query is None else first_query
     w = weights.double().clamp_min(0)
     ent = -(w * torch.log(w.clamp_min(1e-30))).sum(-1)  # [B, H, T]
-    visible = torch.arange(s_len - t_len, s_len, dtype=torch.float64) + 1  # keys each query sees
+    visible = torch.arange(first, first + t_len, dtype=torch.float64) + 1  # keys each query sees
     keep = visible > 1
     norm = ent[..., keep] / torch.log(visible[keep])  # [B, H, T']
     return norm.sum(dim=(0, 2)), int(bsz * int(keep.sum()))

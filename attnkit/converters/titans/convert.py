@@ -71,4 +71,5 @@ def state_bytes(model: torch.nn.Module, window: int) -> dict:
     model's dtype as converted (fp32 here; the memory state stays fp32 in any dtype)."""
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 4 * window)
     contexts = sorted({min(n * window, limit) for n in (1, 2, 4)})
-    return {"contexts": contexts, "bytes": [sum(cache_bytes(run_for_cache(model, 1, n))) for n in contexts]}
+    # prefilled a window at a time, as served: one pass over 4 windows would build a [4W, 4W] mask
+    return {"contexts": contexts, "bytes": [sum(cache_bytes(run_for_cache(model, 1, n, chunk=window))) for n in contexts]}

@@ -1,0 +1,113 @@
+"""Calibration statistics of the in-place retrofits (`--to dex | diff | titans | mla+…`), in memory
+bounded by one block of query rows.
+
+Per layer and head: the mean normalised attention entropy (DEX's head score, `dex/heads.py`) and the
+mean RMS of the head output (DIFF's norm initialisation, `diff/layer.py`). The entropy needs the
+attention probabilities, which eager attention materialises whole ([B, H, T, T] per layer, kept alive
+by autograd when the pass runs with a graph: ~2 GB per calibration batch on the 4-layer reference).
+Here the attention itself is replaced, for the calibration pass only, by a function that computes
+softmax(QKᵀ)·V a block of query rows at a time and folds each block's entropy into running sums, so
+the peak is one [B, H, rows, S] block whatever T is, and nothing outlives its block.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from attnkit.converters.dex.heads import normalized_entropy
+from attnkit.converters.diff.layer import head_rms
+from attnkit.errors import AttnkitError
+
+ATTENTION = "attnkit_calibration"
+BLOCK_BYTES = 16 * 2**20  # one block of fp32 scores [B, H, rows, S]; the entropy's fp64 temporaries are ~3x
+
+
+class EntropyStats:
+    """Running per-layer sums of normalised attention entropy [H] and their counts."""
+
+    def __init__(self, layers: int):
+        self.sums: list[torch.Tensor | float] = [0.0] * layers
+        self.counts = [0] * layers
+
+    def add(self, layer: int, probs: torch.Tensor, first_query: int) -> None:
+        s, n = normalized_entropy(probs, first_query)
+        self.sums[layer] = self.sums[layer] + s
+        self.counts[layer] += n
+
+    def attention(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                  softcap: float | None = None, **_kwargs) -> tuple[torch.Tensor, None]:
+        """A transformers attention function: eager attention's arithmetic, a block of query rows at a
+        time, recording each block's entropy. query [B, H, T, dq], key [B, G, S, dq], value [B, G, S, dv]."""
+        bsz, heads, t_len, dq = query.shape
+        s_len = key.shape[-2]
+        groups = heads // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)  # [B, H, S, dq]
+        value = value.repeat_interleave(groups, dim=1)  # [B, H, S, dv]
+        scale = dq**-0.5 if scaling is None else scaling
+        rows = max(1, BLOCK_BYTES // (4 * bsz * heads * s_len))
+        out = query.new_empty(bsz, heads, t_len, value.shape[-1])
+        for t0 in range(0, t_len, rows):
+            t1 = min(t_len, t0 + rows)
+            scores = torch.matmul(query[:, :, t0:t1], key.transpose(-1, -2)) * scale  # [B, H, r, S]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if attention_mask is not None:
+                block = attention_mask[:, :, t0:t1, :s_len]  # [B, 1, r, S]
+                scores = scores.masked_fill(~block, float("-inf")) if block.dtype == torch.bool else scores + block
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            self.add(module.layer_idx, probs, s_len - t_len + t0)
+            out[:, :, t0:t1] = torch.matmul(probs, value)
+        return out.transpose(1, 2).contiguous(), None  # [B, T, H, dv]
+
+    def means(self) -> torch.Tensor:
+        if any(c == 0 for c in self.counts):
+            raise AttnkitError("calibration saw no attention in some layer (sequence length must be at least 2)")
+        return torch.stack([s / c for s, c in zip(self.sums, self.counts)]).float()  # [L, H]
+
+
+@torch.no_grad()  # statistics only: a graph would keep every block and activation of the batch alive
+def calibrate(model, rows: torch.Tensor, device: torch.device, tokens_per_batch: int = 4096) -> dict:
+    """Per layer and head: mean normalised attention entropy and mean RMS of the head output, from
+    `rows` [N, T] of calibration tokens run through `model` in batches of ~`tokens_per_batch`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    entropy = EntropyStats(layers)
+    rms_sum: list = [0.0] * layers
+    rms_count = [0] * layers
+
+    def on_o_proj(layer_idx: int):
+        def hook(_module, inputs):
+            x = inputs[0]
+            s, n = head_rms(x.view(*x.shape[:-1], heads, -1))  # [B, T, H·d_v] -> [B, T, H, d_v]
+            rms_sum[layer_idx] = rms_sum[layer_idx] + s
+            rms_count[layer_idx] += n
+
+        return hook
+
+    AttentionInterface.register(ATTENTION, entropy.attention)
+    AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    previous = model.config._attn_implementation
+    attns = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
+    hooks = [a.o_proj.register_forward_pre_hook(on_o_proj(a.layer_idx)) for a in attns]
+    model.set_attn_implementation(ATTENTION)
+    try:
+        for batch in tqdm(batches(rows, tokens_per_batch), desc="calibration", unit="batch", leave=False):
+            model(input_ids=batch.to(device), use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+        for h in hooks:
+            h.remove()
+    if any(c == 0 for c in rms_count):
+        raise AttnkitError("calibration saw no attention output in some layer")
+    rms = torch.stack([rms_sum[i] / rms_count[i] for i in range(layers)]).float()  # [L, H]
+    return {"entropy": entropy.means(), "head_rms": rms}
+
+
+def batches(rows: torch.Tensor, tokens_per_batch: int = 4096) -> list[torch.Tensor]:
+    """Split [N, T] rows into batches of about `tokens_per_batch` tokens."""
+    size = max(1, tokens_per_batch // rows.shape[1])
+    return list(rows.split(size))
