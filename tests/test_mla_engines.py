@@ -212,7 +212,9 @@ def test_engine_output_is_what_engines_load(engine_out):
     src, out = engine_out
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["rope_interleave"] is True and cfg["attention_bias"] is False and cfg["q_lora_rank"] == 64
-    assert cfg["rope_parameters"]["rope_type"] == "default" and cfg["tie_word_embeddings"] is False
+    rope = cfg["rope_parameters"]  # the plain ladder as DeepSeek writes RoPE (vLLM-CPU mis-rotates `default`)
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 1.0 and cfg["tie_word_embeddings"] is False
+    assert rope["original_max_position_embeddings"] == cfg["max_position_embeddings"]
     assert cfg["n_routed_experts"] > cfg["n_group"] and cfg["first_k_dense_replace"] == cfg["num_hidden_layers"]
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "lm_head.weight" in index and not [n for n in index if n.endswith(".bias")]

