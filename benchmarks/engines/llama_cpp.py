@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -45,11 +46,26 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+
+def _load_common():
+    """benchmarks/engines/common.py, by its path (the scripts are not a package)."""
+    name = "attnkit_engines_common"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("common.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_common = _load_common()
+REPO, PPL_DATA = _common.REPO, _common.PPL_DATA
+log, load_text, ratio, python_error_line, fmt = (
+    _common.log, _common.load_text, _common.ratio, _common.python_error_line, _common.fmt)
+
 DEFAULT_CACHE = Path(os.environ.get("ATTNKIT_LLAMA_CPP_CACHE", "~/.cache/attnkit/llama.cpp")).expanduser()
 TARGETS = ("llama-perplexity", "llama-tokenize", "llama-quantize")
 TYPES = ("f32", "f16", "bf16", "q8_0")
-PPL_DATA = REPO / "attnkit" / "evaluation" / "tasks" / "data" / "ppl.jsonl"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",
@@ -65,10 +81,6 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,18 +156,6 @@ def first_error_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def python_error_line(text: str) -> str:
-    """The 'Type: message' line of a Python traceback (its last such line), never the traceback."""
-    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", ln):
-            return ln.strip()
-    for ln in reversed(lines):
-        if "ERROR" in ln or "error" in ln:
-            return ln.strip()
-    return lines[-1].strip() if lines else "no output"
-
-
 def parse_context_settings(text: str) -> dict:
     """Settings llama.cpp reports when it creates the context (what 'default' meant in this run)."""
     out: dict = {}
@@ -194,12 +194,6 @@ def byte_level_pre_tokenizer(tokenizer_json: dict) -> str | None:
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space", False):
         return "gpt-2"
     return None
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b == 0:
-        return None
-    return a / b
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,38 +397,6 @@ def gguf_summary(tree: Path, path: Path) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # text, tokens, perplexities
-
-
-def load_text(data: str) -> tuple[str, str]:
-    """(text, description). 'ppl': the documents of the bundled lm-eval perplexity task, joined by a
-    blank line. 'validation': attnkit.data's validation split of the Python corpus (first ~400 KB).
-    Otherwise a path to a text file or a .jsonl with a 'text' field."""
-    if data == "ppl":
-        rows = [json.loads(ln) for ln in PPL_DATA.read_text().splitlines() if ln.strip()]
-        text = "\n\n".join(r["text"] for r in rows)
-        desc = f"{PPL_DATA.relative_to(REPO)} ({len(rows)} documents joined by a blank line)"
-    elif data == "validation":
-        sys.path.insert(0, str(REPO))
-        from attnkit.data import iter_documents  # noqa: PLC0415
-
-        parts, size = [], 0
-        for doc in iter_documents("python", "validation"):
-            parts.append(doc.text)
-            size += len(doc.text)
-            if size > 400_000:
-                break
-        text = "\n\n".join(parts)
-        desc = f"attnkit.data validation split, first {len(parts)} documents"
-    else:
-        p = Path(data)
-        if p.suffix == ".jsonl":
-            rows = [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
-            text = "\n\n".join(r["text"] for r in rows)
-        else:
-            text = p.read_text()
-        desc = str(p)
-    # llama-perplexity's -f drops one trailing newline; llama-tokenize keeps it: give them none.
-    return text.rstrip("\n"), desc
 
 
 def llama_tokenize(binary: Path, gguf_path: Path, text_file: Path, no_bos: bool = False) -> tuple[list[int] | None, str]:
@@ -702,14 +664,9 @@ def run_model(model_dir: Path, args, tree: Path, bins: dict, text: str, workdir:
     return out
 
 
-def fmt(v, spec=".4f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def table(results: list[dict], types: list[str]) -> str:
-    rows = ["| model | tokens (llama.cpp = HF?) | transformers ppl | " +
-            " | ".join(f"llama.cpp {t} ppl (ratio)" for t in types) + " |",
-            "|---|---|---|" + "---|" * len(types)]
+    header = ["model", "tokens (llama.cpp = HF?)", "transformers ppl"] + [f"llama.cpp {t} ppl (ratio)" for t in types]
+    rows = []
     for r in results:
         tok = r.get("tokens") or {}
         tokcell = f"{tok.get('llama_cpp', '-')} ({'yes' if tok.get('identical_to_hf') else 'NO'})" if tok else "-"
@@ -723,8 +680,8 @@ def table(results: list[dict], types: list[str]) -> str:
             else:
                 cells.append(f"{fmt(tr.get('ppl'))} ({fmt(tr.get('ratio'), '.5f')})")
         name = r["model"] if "error" not in r else f"{r['model']} ({r['error']})"
-        rows.append(f"| {name} | {tokcell} | {hfcell} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+        rows.append([name, tokcell, hfcell, *cells])
+    return _common.markdown_table(header, rows)
 
 
 def main(argv=None) -> int:
