@@ -102,6 +102,7 @@ def _add_convert(sub) -> None:
     mla.add_argument("--eval-tokens", type=int, default=4096, metavar="N", help="held-out tokens for the per-step error report")
     mla.add_argument("--report", choices=["steps", "final"], default="steps", help="steps: run every conversion step end to end on the held-out text (the per-step table); final: only the written model (same tensors; with QK norms folded also the norm step), faster")
     mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, --rope-dim) split is chosen by measuring candidate conversions on held-out text")
+    mla.add_argument("--engine-sizes", choices=["vllm", "vllm-cpu"], default=None, help="with --kv-budget: measure only the splits vLLM's MLA kernels take (rope dim 64, kv_lora_rank + rope dim 320/512/576; vllm-cpu: 576), the best one within the budget")
     mla.add_argument("--refit-query", action=argparse.BooleanOptionalAction, default=True, help="least-squares refit of the NoPE query to the source's RoPE'd scores (report stage 'refit'; default on, measured better)")
     mla.add_argument("--refit-weights", choices=["attention", "uniform"], default="attention", help="distances the refit averages RoPE over: the source's attention mass, or uniform over causal pairs")
     titans = p.add_argument_group("Titans (--to titans): window attention + neural long-term memory, Memory as Gate")

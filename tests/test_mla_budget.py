@@ -88,3 +88,44 @@ def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys, t
     for shard in ("model-layers.safetensors", "model-embeddings.safetensors"):
         a, e = load_file(str(out / shard)), load_file(str(explicit / shard))
         assert a.keys() == e.keys() and all(torch.equal(a[k], e[k]) for k in a), shard
+
+
+def test_engine_sizes_refusals_are_one_line(tmp_path, capsys):
+    # the reference caches 2 x 2 x 64 = 256 values: no vLLM MLA size (320/512/576) is a compression of it
+    assert _convert(tmp_path, "--kv-budget", "0.9", "--engine-sizes", "vllm") == 2
+    err = capsys.readouterr().err.strip()
+    assert "no split vllm's MLA kernels take fits --kv-budget 0.9" in err and "\n" not in err
+    for extra in (["--engine-sizes", "vllm", "--kv-lora-rank", "28", "--rope-dim", "48"],
+                  ["--kv-budget", "0.5", "--engine-sizes", "vllm", "--target", "transformers"]):
+        assert _convert(tmp_path, *extra) == 2
+        assert "--engine-sizes" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes, budget, chosen", [("vllm", 0.6, None), ("vllm-cpu", 0.6, (512, 64))])
+def test_engine_sizes_choose_among_what_vllm_takes(tmp_path, sizes, budget, chosen):
+    """An MHA source of 8 x 64 (1,024 cached values): at 60 % (614), vLLM's sizes that fit are 576, 512 and
+    320; the CPU backends take 576 only."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from mla_fixtures import calib_folder, save_model
+
+    src = save_model(tmp_path / "src", "mha", hidden_size=128, num_attention_heads=8, num_key_value_heads=8, head_dim=64)
+    calib = calib_folder(tmp_path / "calib")
+    out = tmp_path / "out"
+    assert main(["convert", "--to", "mla", str(src), "-o", str(out), "--calib", str(calib), "--calib-tokens", "256",
+                 "--calib-seq-len", "32", "--eval-tokens", "64", "--kv-budget", str(budget), "--engine-sizes", sizes,
+                 "--report", "final"]) == 0
+    report = json.loads((out / "attnkit_report.json").read_text())
+    tried = {(c["kv_lora_rank"], c["rope_dim"]) for c in report["kv_budget"]["candidates"]}
+    assert tried == ({(512, 64), (448, 64), (256, 64)} if sizes == "vllm" else {(512, 64)})
+    best = min(report["kv_budget"]["candidates"], key=lambda c: c["kl"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (best["kv_lora_rank"], best["rope_dim"])
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] in (320, 512, 576)
+    if sizes == "vllm-cpu":
+        assert report["serving"]["vLLM CPU"].startswith("yes") and (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == chosen

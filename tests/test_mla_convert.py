@@ -88,6 +88,8 @@ def test_geometric_frequencies_and_bf16_sharded_source(tmp_path, calib):
                     "--kv-lora-rank", "17", "--dtype", "fp32", "--target", "transformers") == 0
     out_cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out_cfg["rope_parameters"]["rope_type"] == "yarn" and out_cfg["rope_parameters"]["factor"] == 1.0
+    # the transformers-only form: a name engines refuse; transformers builds it from model_type (logits below)
+    assert out_cfg["architectures"] == ["AttnkitExactDeepseekV3ForCausalLM"]
     assert _logits_rel(sharded, tmp_path / "out") < 1e-4  # MQA, d_r = d: the plain ladder is exact
 
 

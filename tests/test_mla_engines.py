@@ -58,7 +58,9 @@ def test_interleaved_rope_rows_are_the_same_function(H, d, half, seed):
     inter.attention_bias, inter.rope_interleave = False, True
     x = torch.randn(2, T, D)
     a, b = _attention(plain, t, x, T), _attention(inter, moved, x, T)
-    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    # relative to the output's size: random weights give outputs ~30 and sharp softmaxes, where fp32
+    # rounding of the two summation orders reached 7.6e-5 absolute (7e-7 relative) and failed an atol
+    assert float((a - b).norm() / a.norm()) < 5e-6
 
 
 @settings(max_examples=12, deadline=None)
@@ -288,11 +290,27 @@ def test_engine_sizes_are_reported_with_the_backends_that_take_them():
     llama3_8b = engine_support(512, 64, 128, 128, "engines")  # DeepSeek-V3's own sizes
     assert all(v.startswith("yes") for v in llama3_8b.values())
     small = engine_support(28, 48, 64, 64, "engines")
-    assert small["llama.cpp"] == "yes" and small["vLLM"].startswith("no") and "qk_rope_head_dim 64" in small["vLLM"]
+    assert small["llama.cpp"] == "yes" and small["vLLM CUDA"].startswith("no") and "d_r 64" in small["vLLM CUDA"]
+    assert "76" in small["vLLM CPU"] and small["vLLM CPU"].startswith("no") and "VLLM_MLA_DISABLE" in small["vLLM CPU"]
+    # 448 + 64 = 512 runs on CUDA's MLA path, not on the CPU backends (576 only)
+    mid = engine_support(448, 64, 64, 128, "engines")
+    assert mid["vLLM CUDA"] == "yes" and mid["vLLM CPU"].startswith("no")
+    assert engine_support(512, 64, 64, 64, "engines")["vLLM CPU"].startswith("yes")
     assert all(v.startswith("no") for k, v in engine_support(512, 64, 128, 128, "transformers").items()
                if k != "transformers")
     assert "longrope" in engine_support(512, 64, 128, 128, "transformers", "exact")["vLLM"]
     assert "longrope" not in engine_support(512, 64, 128, 128, "transformers", "geometric")["vLLM"]
+
+
+def test_vllm_splits_are_the_cached_sizes_its_kernels_take():
+    from attnkit.converters.mla.engines import vllm_splits
+
+    assert vllm_splits(1024, 961, 64) == [(512, 64), (448, 64), (256, 64)]  # MHA 8 x 64: every size fits
+    assert vllm_splits(1024, 961, 64, cpu=True) == [(512, 64)]
+    assert vllm_splits(576, 961, 64) == [(512, 64), (448, 64), (256, 64)]
+    assert vllm_splits(575, 961, 64) == [(448, 64), (256, 64)]
+    assert vllm_splits(256, 193, 64) == []  # the reference's 30 %: no size fits
+    assert vllm_splits(1024, 961, 32) == []  # a RoPE dim cap below 64
 
 
 def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -332,5 +350,5 @@ def test_value_heads_are_padded_never_cut(tmp_path, capsys):
 def test_padding_values_makes_head_dim_64_sizes_vllm_prefill_sizes():
     from attnkit.converters.mla.engines import engine_support
 
-    assert engine_support(448, 64, 64, 64, "engines")["vLLM"].startswith("no")  # (64, 64) is no prefill pair
-    assert engine_support(448, 64, 64, 128, "engines")["vLLM"] == "yes"  # r + d_r = 512; (64, 128) is one
+    assert engine_support(448, 64, 64, 64, "engines")["vLLM CUDA"].startswith("no")  # (64, 64) is no prefill pair
+    assert engine_support(448, 64, 64, 128, "engines")["vLLM CUDA"] == "yes"  # r + d_r = 512; (64, 128) is one

@@ -496,16 +496,18 @@ def _serving_note(convert: dict) -> str:
     load = convert.get("load") or {}
     if _mla_target(convert).get("form") == "engines":
         text = ("Serving: a dense DeepSeek-V3 (MLA) checkpoint in attnkit's **engine form** — no attention biases, "
-                "RoPE in the interleaved layout on a plain θ ladder (no frequency factors), `q_lora_rank` set, an "
-                "explicit LM head — within what llama.cpp (`deepseek2`), vLLM and SGLang implement (attnkit's "
-                "docs/serving.md cites their code; the llama.cpp check is `benchmarks/engines/llama_cpp.py`). The "
+                "RoPE in the interleaved layout on a plain θ ladder (written as `yarn` with factor 1.0, as DeepSeek "
+                "writes RoPE), `q_lora_rank` set, an explicit LM head — within what llama.cpp (`deepseek2`), vLLM and "
+                "SGLang implement (attnkit's docs/serving.md cites their code; the checks are "
+                "`benchmarks/engines/llama_cpp.py` and `benchmarks/engines/vllm_cpu.py`). The "
                 "latent RMSNorm has no bias to make it exact: its one-shot error is the `native` step above, and "
                 "healing recovers it.")
     else:
         factors = " and `longrope` frequency factors" if load.get("rope_frequencies") == "exact" else ""
         text = ("Serving: **transformers only**. This checkpoint carries attention biases (a constant latent channel "
-                f"that makes the latent RMSNorm exact){factors}, which llama.cpp refuses and vLLM / SGLang drop; "
-                "convert with the default `--target engines` to serve it elsewhere.")
+                f"that makes the latent RMSNorm exact){factors}, which vLLM and SGLang would drop silently; its "
+                "`architectures` name is one they and llama.cpp do not know, so they refuse it (transformers builds "
+                "it from `model_type`). Convert with the default `--target engines` to serve it elsewhere.")
     serving = convert.get("serving") or {}
     if serving:
         text += "\n\n" + "\n".join(f"- {engine}: {verdict}" for engine, verdict in serving.items())

@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 
 from attnkit.converters.common import calibration_tokens
 from attnkit.converters.mla import layer as mla
-from attnkit.converters.mla.budget import budget_values, refine_candidates, split_candidates
+from attnkit.converters.mla.budget import budget_values, max_rank, refine_candidates, split_candidates
 from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
-from attnkit.converters.mla.engines import ladder_stride
+from attnkit.converters.mla.engines import VLLM_CPU_MLA_SIZE, VLLM_MLA_SIZES, VLLM_ROPE_DIM, ladder_stride, vllm_splits
 from attnkit.converters.mla.native import target_for
 from attnkit.converters.mla.progress import ConversionProgress, pre_pass_rows
 from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, layer_damping, refit_params, rope_damping
@@ -228,7 +228,15 @@ def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int,
     shape, layers = src.shape, src.config["num_hidden_layers"]
     total = budget_values(shape, s.kv_budget)
     cap = rope_cap(shape, s.rope_frequencies)
-    splits = split_candidates(shape, total, cap, norm_channel=s.norm_channel)
+    if s.engine_sizes:  # only what the engine's kernels take: a few fixed sizes, nothing to refine
+        splits = vllm_splits(total, max_rank(shape, VLLM_ROPE_DIM) - (not s.norm_channel), cap, s.engine_sizes == "vllm-cpu")
+        if not splits:
+            sizes = VLLM_CPU_MLA_SIZE if s.engine_sizes == "vllm-cpu" else "/".join(map(str, VLLM_MLA_SIZES))
+            raise AttnkitError(f"no split {s.engine_sizes}'s MLA kernels take fits --kv-budget {s.kv_budget}: they cache "
+                               f"kv_lora_rank + {VLLM_ROPE_DIM} = {sizes} values per token and layer, the budget allows "
+                               f"{total} of this model's {2 * shape.G * shape.d} (head_dim {shape.d})")
+    else:
+        splits = split_candidates(shape, total, cap, norm_channel=s.norm_channel)
     if not splits:
         raise AttnkitError(f"--kv-budget {s.kv_budget} is too small for this model ({total} values per token and layer)")
     rows, rows_note = selection_rows(tokenizer, s, calib, n_held)
@@ -240,8 +248,8 @@ def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int,
                           scratch=scratch)
         table.update(res)
         best = min(table.values(), key=lambda m: m["kl"])
-        splits = refine_candidates(shape, total, [m["rope_dim"] for m in table.values()], best["rope_dim"], cap,
-                                   norm_channel=s.norm_channel)
+        splits = [] if s.engine_sizes else refine_candidates(shape, total, [m["rope_dim"] for m in table.values()],
+                                                             best["rope_dim"], cap, norm_channel=s.norm_channel)
         if not splits:
             break
     best = min(table.values(), key=lambda m: m["kl"])

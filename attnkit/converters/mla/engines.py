@@ -198,27 +198,48 @@ def pad_value_heads(tensors: dict[str, torch.Tensor], heads: int, nope: int, v: 
 
 
 # What each engine's MLA kernels take, read from their code (docs/serving.md cites file and line):
-# vLLM 0.33's CUDA prefill backends need qk_rope_head_dim 64 and (qk_nope, v) in these pairs, and its
-# decode backends a cached head of r + d_r in DECODE_SIZES (Triton-MLA: any); llama.cpp takes any
-# kv_lora_rank, an even RoPE dim and qk_nope >= 1; SGLang's Python code checks no size.
+# vLLM 0.32's MLA path (every backend, CPU and CUDA) needs a cached head of r + d_r in VLLM_MLA_SIZES
+# (MLACommonMetadata's check); on CPU both backends (CPU_MLA; AMX_MLA, bf16, chosen on AMX CPUs) compile only
+# 576; its CUDA prefill backends need qk_rope_head_dim 64 and (qk_nope, v) in these pairs. With MLA off
+# (VLLM_MLA_DISABLE=1) vLLM runs any size but caches the expanded per-head K and V: no saving. llama.cpp
+# takes any kv_lora_rank, an even RoPE dim and qk_nope >= 1; SGLang's Python code checks no size (CUDA only).
 VLLM_PREFILL_HEADS = {(128, 128), (64, 128), (192, 256)}
-VLLM_DECODE_SIZES = {320, 512, 576}
+VLLM_MLA_SIZES = (320, 512, 576)
+VLLM_CPU_MLA_SIZE = 576
+VLLM_ROPE_DIM = 64
+# the architecture name of the transformers-only form: engines pick their model class by `architectures`
+# and refuse a name they do not know, while transformers' Auto classes build it from model_type
+TRANSFORMERS_ONLY_ARCHITECTURE = "AttnkitExactDeepseekV3ForCausalLM"
 
 
 def engine_support(kv_lora_rank: int, rope_dim: int, nope: int, v: int, form: str,
                    rope_frequencies: str = "ladder") -> dict[str, str]:
     """Per engine: "yes", or why this checkpoint's sizes or form cannot run there (said at conversion
-    time, in the report and the card, not discovered at serve time)."""
+    time, in the report and the card, not discovered at serve time). vLLM's CPU and CUDA builds differ."""
     if form != "engines":
-        factors = " and longrope factors (not applied)" if rope_frequencies == "exact" else ""
-        no = f"no: attention biases (dropped or refused){factors}"
+        factors = ", longrope factors" if rope_frequencies == "exact" else ""
+        no = f"no: refused (architecture {TRANSFORMERS_ONLY_ARCHITECTURE}; biases{factors} would be dropped)"
         return {"transformers": "yes", "llama.cpp": no, "vLLM": no, "SGLang": no}
-    vllm = []
-    if rope_dim != 64 or (nope, v) not in VLLM_PREFILL_HEADS:
-        vllm.append(f"CUDA prefill needs qk_rope_head_dim 64 and (qk_nope, v) in {sorted(VLLM_PREFILL_HEADS)}, "
-                    f"this is {rope_dim}, ({nope}, {v})")
-    if kv_lora_rank + rope_dim not in VLLM_DECODE_SIZES:
-        vllm.append(f"decode kernels other than Triton-MLA need kv_lora_rank + rope_dim in {sorted(VLLM_DECODE_SIZES)}, "
-                    f"this is {kv_lora_rank + rope_dim}")
+    cached = kv_lora_rank + rope_dim
+    cuda = []
+    if cached not in VLLM_MLA_SIZES:
+        cuda.append(f"MLA caches r + d_r = {cached}, needs {'/'.join(map(str, VLLM_MLA_SIZES))}")
+    if rope_dim != VLLM_ROPE_DIM or (nope, v) not in VLLM_PREFILL_HEADS:
+        cuda.append(f"prefill needs d_r {VLLM_ROPE_DIM} and (nope, v) in {sorted(VLLM_PREFILL_HEADS)}, is {rope_dim}, "
+                    f"({nope}, {v})")
+    cpu = ("yes (CPU_MLA; AMX_MLA in bf16)" if cached == VLLM_CPU_MLA_SIZE else
+           f"no: CPU_MLA/AMX_MLA cache r + d_r = {VLLM_CPU_MLA_SIZE} only, this is {cached}; "
+           "VLLM_MLA_DISABLE=1 runs it with an uncompressed cache")
     return {"transformers": "yes", "llama.cpp": "yes" if nope >= 1 else "no: qk_nope_head_dim must be >= 1",
-            "vLLM": "yes" if not vllm else "no: " + "; ".join(vllm), "SGLang": "yes (no size check in its code)"}
+            "vLLM CUDA": "yes" if not cuda else "no: " + "; ".join(cuda), "vLLM CPU": cpu,
+            "SGLang": "yes on CUDA (no size check in its code)"}
+
+
+def vllm_splits(total: int, max_rank: int, rope_cap: int, cpu: bool = False) -> list[tuple[int, int]]:
+    """The (kv_lora_rank, rope_dim) splits vLLM's MLA kernels take within `total` cached values per token
+    and layer (d_r 64; r + d_r one of VLLM_MLA_SIZES, or 576 on CPU), largest first; `max_rank` for d_r 64."""
+    sizes = (VLLM_CPU_MLA_SIZE,) if cpu else VLLM_MLA_SIZES
+    if rope_cap < VLLM_ROPE_DIM:
+        return []
+    return [(n - VLLM_ROPE_DIM, VLLM_ROPE_DIM) for n in sorted(sizes, reverse=True)
+            if n <= total and n - VLLM_ROPE_DIM <= max_rank]

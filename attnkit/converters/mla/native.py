@@ -16,7 +16,7 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 from attnkit.sdpa import register as register_sdpa
-from attnkit.converters.mla.engines import ladder_theta
+from attnkit.converters.mla.engines import TRANSFORMERS_ONLY_ARCHITECTURE, ladder_theta
 from attnkit.converters.mla.layer import MLAParams, Shape
 from attnkit.converters.mla.qknorm import attnkit_config, attnkit_module
 from attnkit.converters.mla.rope import (exact_rope_parameters, geometric_rope_parameters, served_rope_parameters,
@@ -71,7 +71,8 @@ def deepseek_config(src: dict, shape: Shape, d_r: int, kv_lora_rank: int, q_lora
         eos_token_id=src.get("eos_token_id"),
         pad_token_id=src.get("pad_token_id"),
         initializer_range=src.get("initializer_range", 0.02),
-        architectures=["DeepseekV3ForCausalLM"],
+        # the transformers-only form under a name engines do not know: they refuse it instead of computing it wrong
+        architectures=["DeepseekV3ForCausalLM" if engine else TRANSFORMERS_ONLY_ARCHITECTURE],
         dtype=dtype,
     ), **fields})
 

@@ -90,7 +90,7 @@ def _needs(s) -> str:
     if s.format == "attnkit":
         return "transformers >= 5 with trust_remote_code=True (the attnkit MLA code ships in the folder)"
     if s.target == "engines":
-        return "any DeepSeek-V3 engine: transformers, llama.cpp, vLLM, SGLang (no biases, plain RoPE ladder)"
+        return "any DeepSeek-V3 engine: transformers, llama.cpp, vLLM, SGLang (no biases, plain RoPE ladder; sizes: `serving`)"
     if s.rope_frequencies == "exact":
         return "transformers >= 5 only (attention biases, longrope frequency factors)"
     return "transformers >= 5 only (attention biases)"

@@ -31,6 +31,7 @@ class Settings(StreamSettings):
     v_head_dim: int = 0  # value head size written (>= head_dim, zero-padded); 0 before resolve_settings
     format: str = "deepseek_v3"  # deepseek_v3 | attnkit (QK norms before the latent, custom code)
     report: str = "steps"  # steps: every step measured end to end; final: the written model only
+    engine_sizes: str | None = None  # vllm | vllm-cpu: --kv-budget chooses among the splits those kernels take
     PRIVATE: ClassVar[tuple[str, ...]] = (*StreamSettings.PRIVATE, "src_itemsize")
 
     @property
@@ -71,6 +72,10 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, family=None) 
     if budget is not None and family is not None and family.by_layer_type:
         raise AttnkitError(f"--kv-budget is not available for {family.model_type} (RoPE and windows per layer type); "
                            "give --kv-lora-rank and --rope-dim")
+    engine_sizes = getattr(args, "engine_sizes", None)
+    if engine_sizes is not None and (budget is None or target != "engines"):
+        raise AttnkitError("--engine-sizes restricts the splits --kv-budget measures to what an engine's MLA kernels "
+                           "take; give it with --kv-budget and --target engines")
     if budget is not None:
         _check_budget(args, shape, budget)
     if args.rope_dim is None:
@@ -101,6 +106,7 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, family=None) 
         src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
         refit_query=refit, rope_score=rope_score_for(getattr(args, "rope_score", None), args.rope_method, frequencies, refit),
         kv_budget=budget, target=target, v_head_dim=v_head_dim, format=fmt, report=getattr(args, "report", "steps"),
+        engine_sizes=engine_sizes,
     )
 
 
