@@ -1,6 +1,10 @@
-"""Peak memory and wall time of `attnkit convert --to mla` on a Llama-3.2-1B-shaped random model.
+"""Peak memory and wall time of `attnkit convert` (every method) on a Llama-3.2-1B-shaped random model.
 
     python benchmarks/convert_memory.py [--work /tmp/attnkit-mem] [--layers 16] [--calib-tokens 8192]
+    python benchmarks/convert_memory.py --method mla,gqa,dex,diff,titans,mla+dex,mla+titans [--source DIR]
+
+`--source DIR` measures an existing checkpoint instead of building the 1B shape (e.g. a small model with a
+16K-position config). Each method runs with the arguments in METHOD_ARGS (sized from the source's config).
 
 The source checkpoint (sharded bf16 safetensors, tied embeddings, llama3 RoPE scaling) is built
 tensor by tensor, never whole. The conversion runs in a child process that reports its own peak
@@ -69,6 +73,19 @@ def build_source(folder: Path, layers: int) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
+def method_args(method: str, config: dict) -> list[str]:
+    """The convert arguments each method is measured with: MLA at ~30 % of the cache, GQA to half the KV
+    heads, Titans with a 4096-token window (or a quarter of the context), DEX on every head."""
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    d = config.get("head_dim") or config["hidden_size"] // heads
+    total = int(0.3 * 2 * kv * d)
+    rope = min(d, max(2, (total // 3) // 2 * 2))
+    mla = ["--kv-lora-rank", str(total - rope), "--rope-dim", str(rope)]
+    window = ["--window", str(min(4096, config.get("max_position_embeddings", 16384) // 4))]
+    return {"mla": mla, "gqa": ["--kv-heads", str(max(1, kv // 2))], "dex": ["--heads", "all"], "diff": [],
+            "titans": window, "mla+dex": mla, "mla+titans": mla + window}[method]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="/tmp/attnkit-mem")
@@ -77,9 +94,12 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--extra", default="", help="extra convert arguments, space-separated")
     ap.add_argument("--keep", action="store_true", help="keep the source and output checkpoints")
+    ap.add_argument("--method", default="mla", help="comma-separated --to methods (default mla)")
+    ap.add_argument("--source", default=None, help="an existing checkpoint folder instead of the 1B shape")
     args = ap.parse_args()
     work = Path(args.work)
-    src, out = work / "src", work / "out"
+    src, out = (Path(args.source) if args.source else work / "src"), work / "out"
+    work.mkdir(parents=True, exist_ok=True)
     if not (src / "config.json").is_file():
         build_source(src, args.layers)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
@@ -88,27 +108,33 @@ def main() -> None:
 
     probe = "import attnkit.converters.mla.convert; print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
     import_rss = int(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout) * 1024
-    cmd = ["convert", "--to", "mla", str(src), "-o", str(out),
-           "--calib-tokens", str(args.calib_tokens), "--eval-tokens", str(args.eval_tokens), *args.extra.split()]
-    t0 = time.time()
-    code, peak, err = run_with_peak(cmd, quiet=False)
-    wall = time.time() - t0
-    if code != 0:
-        sys.exit(f"conversion failed: {err}")
-    result = {
-        "command": "attnkit " + " ".join(cmd),
-        "source_bytes": size,
-        "peak_rss_bytes": peak,
-        "peak_rss_fraction_of_checkpoint": peak / size,
-        "import_only_rss_bytes": import_rss,  # interpreter + torch + transformers + attnkit, nothing converted
-        "wall_time_s": round(wall, 1),
-        "threads": torch.get_num_threads(),
-        "output_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
-    }
-    print(json.dumps(result, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    results = []
+    for method in args.method.split(","):
+        cmd = ["convert", "--to", method, str(src), "-o", str(out), "--force", "--calib-tokens", str(args.calib_tokens),
+               *(["--eval-tokens", str(args.eval_tokens)] if method in ("mla", "gqa") else []),
+               *method_args(method, config), *args.extra.split()]
+        t0 = time.time()
+        code, peak, err = run_with_peak(cmd, quiet=False)
+        wall = time.time() - t0
+        if code != 0:
+            sys.exit(f"{method}: conversion failed: {err}")
+        results.append({
+            "method": method,
+            "command": "attnkit " + " ".join(cmd),
+            "source_bytes": size,
+            "peak_rss_bytes": peak,
+            "peak_rss_fraction_of_checkpoint": peak / size,
+            "import_only_rss_bytes": import_rss,  # interpreter + torch + transformers + attnkit, nothing converted
+            "wall_time_s": round(wall, 1),
+            "threads": torch.get_num_threads(),
+            "output_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+        })
+        print(json.dumps(results[-1], indent=2))
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+    result = results[0] if len(results) == 1 else {"runs": results}
     (work / "convert_memory.json").write_text(json.dumps(result, indent=2))
-    if not args.keep:
-        shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,19 @@ def test_embed_into_equals_a_table_lookup(tmp_path):
     table = ck.get("model.embed_tokens.weight")
     assert torch.equal(store.all(), table[ids]) and torch.equal(embed_rows(ck, "model.embed_tokens.weight", ids), table[ids])
     store.close()
+
+
+def test_convert_memory_benchmark_measures_every_method():
+    """benchmarks/convert_memory.py has arguments for every `--to` the CLI offers, valid for the 1B shape."""
+    from conftest import load_benchmark
+
+    from attnkit.cli import build_parser
+
+    bench = load_benchmark("convert_memory.py", "bench_convert_memory")
+    convert = next(a for a in build_parser()._subparsers._group_actions[0].choices["convert"]._actions if a.dest == "to")
+    one_b = {**bench.LLAMA_32_1B, "model_type": "llama"}
+    for method in convert.choices:
+        args = bench.method_args(method, one_b)
+        if "--kv-lora-rank" in args:  # 30 % of 2 x 8 x 64 values, RoPE within head_dim
+            rank, rope = int(args[args.index("--kv-lora-rank") + 1]), int(args[args.index("--rope-dim") + 1])
+            assert rank + rope <= 0.3 * 2 * 8 * 64 and 2 <= rope <= 64 and rope % 2 == 0
