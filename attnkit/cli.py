@@ -9,9 +9,11 @@ which `main` turns into a one-line message and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
+from pathlib import Path
 
 from attnkit.errors import AttnkitError
 
@@ -275,10 +277,50 @@ def load_handler(spec: str, label: str):
     return getattr(module, func)
 
 
+def _at_least(args: argparse.Namespace, name: str, low: int, what: str) -> None:
+    value = getattr(args, name, None)
+    if value is not None and value < low:
+        raise AttnkitError(f"--{name.replace('_', '-')} must be {what}, got {value}")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Numbers argparse takes as plain ints but the commands cannot use: one line before any work."""
+    if args.command == "eval":
+        _at_least(args, "limit", 1, "a positive number of documents per task (leave it out for all)")
+        _at_least(args, "batch_size", 1, "at least 1")
+    elif args.command == "bench":
+        _at_least(args, "threads", 1, "at least 1 (leave it out for torch's choice)")
+        _at_least(args, "prefill_chunk", 0, "a number of tokens, or 0 for the whole prompt at once")
+        if args.out:
+            from attnkit.io.checkpoint import check_can_write
+
+            check_can_write(args.out)  # now, not after the whole benchmark
+    elif args.command == "convert":
+        for flag, value, default in (("--heads", args.heads, "auto"), ("--heads-fraction", args.heads_fraction, 0.5)):
+            if value != default and args.to not in ("dex", "mla+dex"):
+                raise AttnkitError(f"{flag} applies to --to dex and --to mla+dex, not --to {args.to}")
+
+
+def _claim(args: argparse.Namespace):
+    """`attnkit convert` holds OUT from the start (`claim_output`): a second run writing the same OUT is
+    refused in one line before its work, not after it. The cheap checks of OUT come first, so a bad
+    OUT (on the source, not empty) is refused without touching anything beside it."""
+    if args.command != "convert":
+        return contextlib.nullcontext()
+    from attnkit.io.checkpoint import check_output_dir, claim_output
+    from attnkit.io.resolve import ASSETS, BUNDLED
+
+    local = ASSETS / args.model if args.model in BUNDLED else Path(args.model).expanduser()
+    check_output_dir(args.out, args.force, (local,) if local.is_dir() else ())
+    return claim_output(args.out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        result = load_handler(HANDLERS[args.command], f"attnkit {args.command}")(args)
+        check_arguments(args)
+        with _claim(args):
+            result = load_handler(HANDLERS[args.command], f"attnkit {args.command}")(args)
     except AttnkitError as exc:
         print(f"attnkit: error: {exc}", file=sys.stderr)
         return 2

@@ -90,6 +90,48 @@ class LazyCheckpoint:
         return {name: tuple(h["shape"]) for name, h in self.header().items()}
 
 
+FINITE_CHUNK = 1 << 24  # elements checked at once: a bounded temporary whatever the tensor's size
+
+
+def first_non_finite(folder: str | os.PathLike) -> tuple[str, str] | None:
+    """(tensor name, "NaN" or "Inf") of the first floating-point tensor that holds a NaN or an infinity,
+    None when every one is finite. Streams: one shard open, one tensor resident at a time, checked in
+    chunks, so the memory is one tensor's whatever the model's size."""
+    ckpt = LazyCheckpoint(folder)
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in ckpt.weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    for shard, names in by_shard.items():
+        path = ckpt.folder / shard
+        try:
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                for name in names:
+                    tensor = handle.get_tensor(name)
+                    if not tensor.is_floating_point():
+                        continue
+                    flat = tensor.reshape(-1)
+                    for start in range(0, flat.numel(), FINITE_CHUNK):
+                        chunk = flat[start : start + FINITE_CHUNK]
+                        if not bool(torch.isfinite(chunk).all()):
+                            return name, "NaN" if bool(torch.isnan(chunk).any()) else "Inf"
+                    del tensor, flat
+        except AttnkitError:
+            raise
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise AttnkitError(f"cannot read the weights in {path}: {str(exc).splitlines()[0]}") from None
+    return None
+
+
+def check_finite(folder: str | os.PathLike, what: str | None = None) -> None:
+    """Refuse a checkpoint with a NaN or infinite weight in one line naming the first such tensor
+    (`what`: how the message names the model, default the folder): a conversion of it fails midway
+    and an evaluation of it gives a perplexity of nan beside accuracies that look normal."""
+    bad = first_non_finite(folder)
+    if bad is not None:
+        raise AttnkitError(f"{what or folder} has non-finite weights: tensor {bad[0]!r} holds {bad[1]} values; "
+                           "it cannot be converted, evaluated or published (re-export it from a good checkpoint)")
+
+
 def keys_of(path: Path) -> list[str]:
     try:
         with safe_open(path, framework="pt", device="cpu") as handle:
@@ -238,9 +280,22 @@ def check_output_dir(out: str | os.PathLike, force: bool = False, sources: tuple
             raise AttnkitError(f"output folder {out} {how} {what} {src}; write somewhere else")
     if out.exists() and not out.is_dir():
         raise AttnkitError(f"output path {out} exists and is not a folder")
+    check_not_claimed(out)
     if out.is_dir() and any(out.iterdir()) and not force:
         raise AttnkitError(f"output folder {out} is not empty (use --force to replace it)")
     return out
+
+
+def check_can_write(path: str | os.PathLike, what: str = "--out") -> None:
+    """Refuse a file path that cannot be written, before any work: a file where a folder on its way must
+    be, or a nearest existing folder that is not writable (what is missing would be created there)."""
+    folder = Path(os.path.abspath(Path(path).expanduser())).parent
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise AttnkitError(f"{what} {path} cannot be written: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise AttnkitError(f"{what} {path} cannot be written: the folder {folder} is not writable")
 
 
 def check_results_file(out: Path, schema: str, command: str) -> None:
@@ -284,22 +339,163 @@ def _alive(pid: int) -> bool:
 def atomic_output_dir(out: str | os.PathLike, force: bool = False, sources: tuple = ()) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `out`, on any failure it is removed.
 
+    `out` is claimed for the whole time (`claim_output`): a second attnkit process writing the same
+    folder is refused in one line, and an `out` that appeared meanwhile some other way is not replaced
+    unless `force` (the first result stays; this run's is discarded with a one-line error).
     SIGTERM is turned into an exception for the duration so a `kill` cleans up like Ctrl-C; what a
     SIGKILLed run left (its pid is in the folder's name) is removed by the next run into `out`'s parent.
     """
     out = check_output_dir(out, force, sources).absolute()
-    tmp = _new_tmp(out)
-    previous = _install_sigterm()
+    with claim_output(out):
+        check_output_dir(out, force, sources)  # again: another run may have finished writing it just before the claim
+        tmp = _new_tmp(out)
+        previous = _install_sigterm()
+        try:
+            yield tmp
+            if out.exists() or out.is_symlink():
+                if not force and (not out.is_dir() or any(out.iterdir())):
+                    raise AttnkitError(f"output folder {out} appeared while this run was writing it; it was left as it "
+                                       "is and this run's result discarded (use --force to replace it)")
+                if out.is_dir() and not out.is_symlink():
+                    shutil.rmtree(out)
+                else:
+                    out.unlink()
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            _restore_sigterm(previous)
+
+
+LOCK_MARK = ".attnkit-lock"  # .OUT.attnkit-lock beside OUT: locked by the process writing OUT, holds its pid
+_claims: dict[str, list] = {}  # lock path -> [fd or None, depth]: the claims this process holds
+
+
+def lock_path(out: str | os.PathLike) -> Path:
+    """`.OUT.attnkit-lock` beside `out`; `out/`, `./out` and a path through a symlinked parent give the same file."""
+    out = Path(os.path.abspath(Path(out).expanduser()))  # normalises `out/`, `./out`, `a/../out`
+    return Path(os.path.realpath(out.parent)) / f".{out.name}{LOCK_MARK}"
+
+
+def _lock_holder(fd: int) -> str:
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        pid = ""
+    return pid if pid.isdigit() else "unknown"
+
+
+def check_not_claimed(out: str | os.PathLike) -> None:
+    """Refuse an `out` that another attnkit process is writing now (it holds `out`'s lock): cheap, so
+    commands call it before their expensive work, long before their own claim."""
+    lock = lock_path(out)
+    if str(lock) in _claims or not lock.is_file():
+        return
+    try:
+        import fcntl
+
+        fd = os.open(lock, os.O_RDONLY)
+    except (ImportError, OSError):
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise AttnkitError(f"{out} is being written by another attnkit process (pid {_lock_holder(fd)}); wait for it "
+                           "to finish or write somewhere else") from None
+    except OSError:
+        pass
     finally:
-        _restore_sigterm(previous)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+        os.close(fd)  # releases the shared lock taken only to test
+
+
+def _make_parents(folder: Path, out: Path) -> list[Path]:
+    """Create `folder` and its missing parents; returns those created (removed again if the run fails)."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        if folder.parent == folder:
+            break
+        folder = folder.parent
+    if not folder.is_dir():
+        raise AttnkitError(f"cannot write {out}: {folder} is a file, not a folder")
+    for f in reversed(missing):
+        try:
+            f.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise AttnkitError(f"cannot write {out}: cannot create the folder {f} ({exc.strerror or exc})") from None
+    return missing
+
+
+@contextlib.contextmanager
+def claim_output(out: str | os.PathLike) -> Iterator[Path]:
+    """Hold `out` for this process while the block runs: an exclusive lock on `.OUT.attnkit-lock` beside it
+    (created if needed, with this pid in it; removed at the end). Another attnkit process claiming the same
+    `out` meanwhile is refused in one line naming this pid. The lock is the kernel's (`flock`): a killed
+    run's lock is free at once, whatever its file says. Re-entrant within a process. Missing parent
+    folders are created (and removed again if nothing was written into them); an unwritable parent is a
+    one-line error. Where the file system cannot lock (no `fcntl`), the block runs unclaimed."""
+    out = Path(out)
+    lock = lock_path(out)
+    key = str(lock)
+    if key in _claims:
+        _claims[key][1] += 1
+        try:
+            yield lock
+        finally:
+            _claims[key][1] -= 1
+        return
+    created = _make_parents(lock.parent, out)
+    fd = _acquire(lock, out)
+    _claims[key] = [fd, 1]
+    try:
+        yield lock
+    finally:
+        del _claims[key]
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                lock.unlink()
+            os.close(fd)
+        for folder in created:  # innermost first; stops at the first one something was written into
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _acquire(lock: Path, out: Path) -> int | None:
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    for _ in range(100):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise AttnkitError(f"cannot write {out}: its folder {lock.parent} is not writable "
+                               f"({exc.strerror or exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise AttnkitError(f"{out} is being written by another attnkit process (pid {holder}); wait for it to "
+                               "finish or write somewhere else") from None
+        except OSError:  # a file system without locks: run unclaimed
+            os.close(fd)
+            return None
+        try:  # the holder may have released (and removed) the file between our open and lock: lock the new one
+            same = os.path.samestat(os.fstat(fd), os.stat(lock))
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+    raise AttnkitError(f"cannot claim {out}: its lock file {lock} keeps changing")
 
 
 def _new_tmp(out: Path) -> Path:
