@@ -75,11 +75,23 @@ def stream_fields(args: argparse.Namespace, src_dtype: torch.dtype) -> dict:
                 dtype_name=DTYPE_NAMES.get(out_dtype, "float32"), out_dtype=out_dtype)
 
 
+CALIB_FORMS = "python, python+site, a .txt/.jsonl file or folder, or hf:NAME[:CONFIG][:SPLIT]"
+
+
+def check_calib_source(source: str) -> None:
+    """A `--calib` that names a file or folder that is not there is said as such, before any work."""
+    if source in ("python", "python+site") or source.startswith("hf:"):
+        return
+    if not Path(source).expanduser().exists():
+        raise AttnkitError(f"--calib {source}: no such file or folder (--calib takes {CALIB_FORMS})")
+
+
 def calibration_tokens(tokenizer, source: str, seq_len: int, n_calib: int, n_eval: int, seed: int):
     """(calibration rows from the train split, held-out rows from the validation split, a note).
 
     A source with no validation documents (one file) gives its last rows as the held-out set.
     """
+    check_calib_source(source)
     try:
         calib = pack_tokens(tokenizer, source, "train", seq_len, n_calib + n_eval, seed)
     except AttnkitError as exc:

@@ -29,6 +29,19 @@ def eval_args(args: argparse.Namespace) -> argparse.Namespace:
                               dtype="fp32", device=args.device, out=str(Path(args.out) / EVAL_RESULTS), verbose=False)
 
 
+TOKENIZER_GLOBS = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken", "spiece*", "sentencepiece*")
+
+
+def check_tokenizer_files(path: Path, spec: str) -> None:
+    """Every method calibrates on text with the source's tokenizer: a folder with no tokenizer file at
+    all is said in one whole line before any work (transformers' own message spans several lines and
+    its first one ends mid-sentence, "...from one of: "). Whether the files load is the methods' check."""
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_GLOBS):
+        raise AttnkitError(f"cannot load the tokenizer of {spec} (needed for calibration): the folder has no tokenizer "
+                           "files (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, ...); copy those "
+                           "of the model it was trained from into it")
+
+
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "eval", False):  # the task names are checked before any conversion work
         from attnkit.evaluation import tasks as bundled
@@ -36,7 +49,15 @@ def main(args: argparse.Namespace) -> int:
         names = bundled.expand(args.tasks)
         if not names:
             raise AttnkitError("--tasks names no task")
-        bundled.check_names(names)
+        bundled.check_names_without_index(names)
+    from attnkit.converters.common import check_calib_source
+    from attnkit.io.checkpoint import check_finite
+    from attnkit.io.resolve import resolve_model
+
+    check_calib_source(args.calib)
+    path = resolve_model(args.model)
+    check_tokenizer_files(path, args.model)
+    check_finite(path, args.model)  # reads every weight: last; a NaN/Inf weight fails here, not midway through a method
     rc = load_handler(PIPELINES[args.to], f"attnkit convert --to {args.to}")(args) or 0
     if rc or not getattr(args, "eval", False):
         return rc

@@ -454,13 +454,19 @@ def eval_threads(sample_s: float = 0.2, most: int | None = None) -> int | None:
 
 def check_inputs(specs: list[str]) -> None:
     """Resolve and check every MODEL spec before any model is loaded or evaluated (one-line errors);
-    weights whose shapes contradict the config are named here, not in transformers' load report."""
+    weights whose shapes contradict the config are named here, not in transformers' load report, and so
+    is a NaN/Inf weight (its perplexity would be nan beside accuracies that look normal)."""
     from attnkit.converters.shapes import check_weights
+    from attnkit.io.checkpoint import check_finite
 
+    paths = []
     for spec in specs:
         path = resolve_model(spec)
         config = check_causal_lm(path)
         check_weights(path, config, required=False, where=f"cannot load {spec}")
+        paths.append(path)
+    for spec, path in zip(specs, paths):  # reads every weight: after the header-only checks of all of them
+        check_finite(path, spec)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -470,11 +476,12 @@ def main(args: argparse.Namespace) -> int:
     if out is not None and out.is_dir():
         raise AttnkitError(f"--out {out} is a folder; give a file name such as results.json")
     if out is not None:
-        from attnkit.io.checkpoint import check_results_file
+        from attnkit.io.checkpoint import check_can_write, check_results_file
 
         check_results_file(out, SCHEMA, "eval")
+        check_can_write(out)  # now, not after the whole evaluation
     names = bundled.expand(args.tasks)
-    bundled.check_names(names)
+    bundled.check_names_without_index(names)  # a misspelt task now, not after loading lm-eval's index
     specs = {"model": args.model, **({"baseline": args.baseline} if args.baseline else {})}
     check_inputs(list(specs.values()))  # a missing --baseline fails now, not after the model's evaluation
     result: dict[str, Any] = {"schema": SCHEMA, "attnkit_version": __version__, "tasks": names, "limit": args.limit}

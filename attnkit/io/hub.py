@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import INDEX_FILE, LazyCheckpoint, keys_of, scratch_dir
+from attnkit.io.checkpoint import INDEX_FILE, LazyCheckpoint, check_finite, keys_of, scratch_dir
 from attnkit.io.model_card import CARD_FILE, generated_card, save_card
 
 # Never uploaded: training state, caches, editor/OS litter and attnkit's own temporary files.
@@ -163,6 +163,7 @@ def validate_folder(folder: str | os.PathLike) -> PushPlan:
     if not remote_code:
         _check_tensor_names(folder, names)
     _check_tokenizer(folder)
+    check_finite(folder)  # reads every weight, so last: a NaN/Inf weight is not published
     files = upload_files(folder)
     total = sum((folder / f).stat().st_size for f in files)
     return PushPlan(folder=folder, files=files, total_bytes=total, remote_code=remote_code)

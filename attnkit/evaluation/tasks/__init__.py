@@ -53,6 +53,36 @@ def check_names(names: list[str]) -> None:
         raise AttnkitError(f"unknown task {stray[0]!r} (bundled: {known_names()})")
 
 
+def check_names_without_index(names: list[str]) -> None:
+    """`check_names`, and a name that no lm-eval task file mentions at all refused too: a text scan of
+    lm-eval's task YAMLs (a second or so), not its task index (minutes on a busy CPU), so that
+    `convert --eval` can refuse a misspelt task before converting. A name the scan finds may still be
+    refused later by the index (a word that is not a task)."""
+    import re
+
+    check_names(names)
+    others = [n for n in names if n not in TASKS]
+    if not others:
+        return
+    try:
+        import lm_eval
+    except ImportError:
+        return
+    root = Path(lm_eval.__file__).resolve().parent / "tasks"
+    patterns = {n: re.compile(rf"(?<![\w.-]){re.escape(n)}(?![\w.-])") for n in others}
+    missing = set(others)
+    for path in root.rglob("*.y*ml"):
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        missing -= {n for n in missing if n in text and patterns[n].search(text)}
+        if not missing:
+            return
+    first = next(n for n in others if n in missing)
+    raise AttnkitError(f"unknown task {first!r}: not bundled ({known_names()}) and no lm-eval task or group of that name")
+
+
 class _TagLoader(yaml.SafeLoader):
     """Reads lm-eval task YAMLs without importing anything: `!function x.y` stays the string 'x.y'."""
 
