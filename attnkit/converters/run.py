@@ -33,9 +33,10 @@ TOKENIZER_GLOBS = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken"
 
 
 def check_tokenizer_files(path: Path, spec: str) -> None:
-    """Every method calibrates on text with the source's tokenizer: a folder with no tokenizer file at
-    all is said in one whole line before any work (transformers' own message spans several lines and
-    its first one ends mid-sentence, "...from one of: "). Whether the files load is the methods' check."""
+    """Every method calibrates on text with the source's tokenizer: when a method could not load it and
+    the folder has no tokenizer file at all, that is said in one whole line (transformers' own message
+    spans several lines and its first one ends mid-sentence, "...from one of: "). Called after the
+    method's refusal, so its checks of the config and weights keep their order."""
     if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_GLOBS):
         raise AttnkitError(f"cannot load the tokenizer of {spec} (needed for calibration): the folder has no tokenizer "
                            "files (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, ...); copy those "
@@ -56,9 +57,13 @@ def main(args: argparse.Namespace) -> int:
 
     check_calib_source(args.calib)
     path = resolve_model(args.model)
-    check_tokenizer_files(path, args.model)
     check_finite(path, args.model)  # reads every weight: last; a NaN/Inf weight fails here, not midway through a method
-    rc = load_handler(PIPELINES[args.to], f"attnkit convert --to {args.to}")(args) or 0
+    try:
+        rc = load_handler(PIPELINES[args.to], f"attnkit convert --to {args.to}")(args) or 0
+    except AttnkitError as exc:
+        if "tokenizer" in str(exc):
+            check_tokenizer_files(path, args.model)  # the whole reason where there is no tokenizer at all
+        raise
     if rc or not getattr(args, "eval", False):
         return rc
     # one process for both: the imports and the source's tokenizer are not paid twice (the README's first command)
