@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,7 +175,9 @@ def test_new_params_heal_trains_only_patterns_and_reloads(tiny, tmp_path):
 
     saved = json.loads((out / "finetune_report.json").read_text())
     assert saved["tokens_seen"] == 12 * 4 * 16 == report["tokens_seen"] and saved["steps"] == 12
-    assert saved["teacher"] == str(tiny["llama"]) and saved["load"] == {"trust_remote_code": False}
+    assert saved["load"] == {"trust_remote_code": False}
+    for key in ("teacher", "teacher_path"):  # no absolute path in a report (push uploads it): by name or relative
+        assert not Path(saved[key]).is_absolute() and Path(saved[key]).name == tiny["llama"].name
     assert len(saved["loss_curve"]) == 12 and saved["trainable"].startswith("new: ")
     assert saved["eval_after"]["validation"]["loss"] < saved["eval_before"]["validation"]["loss"]
     assert [p[0] for p in saved["eval_curve"]] == [4, 8, 12]

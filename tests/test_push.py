@@ -119,7 +119,8 @@ def test_push_uploads_byte_identical_files_and_card(model_dir, online, tmp_path,
     folder = _copy(model_dir, tmp_path)
     with HubServer(TOKEN) as hub:
         assert _push(folder, hub, "--private") == 0
-        out = capsys.readouterr().out
+        captured = capsys.readouterr()
+        out = captured.out
         remote = hub.files("alice/tiny-mla")
         assert hub.repos["alice/tiny-mla"].private
     assert re.search(rf"{re.escape(hub.url)}/alice/tiny-mla/commit/[0-9a-f]{{40}}", out), out
@@ -127,7 +128,12 @@ def test_push_uploads_byte_identical_files_and_card(model_dir, online, tmp_path,
     expected = {k: v for k, v in local.items() if not k.startswith(("checkpoint-100/", ".cache/", "__pycache__/")) and k != "scratch.tmp"}
     assert set(remote) == set(expected)
     for name, data in expected.items():
-        assert remote[name] == data, name  # byte-identical, weights included
+        if name != "attnkit_report.json":
+            assert remote[name] == data, name  # byte-identical, weights included
+    # ... but no absolute local path goes out: the report's source folder by its name
+    report, sent = json.loads(expected["attnkit_report.json"]), json.loads(remote["attnkit_report.json"])
+    assert sent["source"]["path"] == "llama" and sent == {**report, "source": {**report["source"], "path": "llama"}}
+    assert "absolute local paths in attnkit_report.json" in captured.err
     assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "attnkit_report.json"} <= set(remote)
     # the card holds the metadata, and the Hub's validator saw the same card
     meta = yaml.safe_load(remote["README.md"].decode().split("---\n")[1])

@@ -505,9 +505,12 @@ def main(args: argparse.Namespace) -> int:
     result["models"] = models
     print(format_table(result))
     if out is not None:
+        from attnkit.io.public import public_report
+
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        public = public_report("eval_results.json", result, out.parent)  # names, no absolute paths: it is uploaded
+        tmp.write_text(json.dumps(public, indent=2) + "\n")
         tmp.replace(out)
         print(f"wrote {out}")
     return 0

@@ -339,6 +339,7 @@ def _alive(pid: int) -> bool:
 def atomic_output_dir(out: str | os.PathLike, force: bool = False, sources: tuple = ()) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it replaces `out`, on any failure it is removed.
 
+    The reports in it are made public before the rename (`publish_reports`: no absolute local paths).
     `out` is claimed for the whole time (`claim_output`): a second attnkit process writing the same
     folder is refused in one line, and an `out` that appeared meanwhile some other way is not replaced
     unless `force` (the first result stays; this run's is discarded with a one-line error).
@@ -352,6 +353,9 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, sources: tupl
         previous = _install_sigterm()
         try:
             yield tmp
+            from attnkit.io.public import publish_reports
+
+            publish_reports(tmp, out)  # no absolute path of this machine in the reports (after the card was written)
             if out.exists() or out.is_symlink():
                 if not force and (not out.is_dir() or any(out.iterdir())):
                     raise AttnkitError(f"output folder {out} appeared while this run was writing it; it was left as it "

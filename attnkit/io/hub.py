@@ -36,7 +36,7 @@ IGNORE_PATTERNS = [
     "checkpoint-*/", "*/checkpoint-*/", "checkpoints/", "*/checkpoints/",
     "global_step*/", "runs/", "wandb/", "logs/",
     ".cache/", "*/.cache/", "__pycache__/", "*/__pycache__/", ".ipynb_checkpoints/",
-    ".*.attnkit-tmp-*/", ".tmp-*/", "*/.tmp-*/", "*.pyc", "*.tmp", "*.lock", "*.part", "*.incomplete", ".DS_Store",
+    ".*.attnkit-tmp-*/", ".attnkit-local.json", ".tmp-*/", "*/.tmp-*/", "*.pyc", "*.tmp", "*.lock", "*.part", "*.incomplete", ".DS_Store",
     "optimizer*.pt", "optimizer*.bin", "scheduler*.pt", "rng_state*.pth", "scaler.pt",
     "training_args.bin", "trainer_state.json", "accelerator_state/",
 ]
@@ -254,10 +254,36 @@ def staged_folder(plan: PushPlan, card: str | None) -> Iterator[Path]:
                 continue
             link = stage / rel
             link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to((plan.folder / rel).absolute())
+            public = public_json(plan.folder / rel)
+            if public is None:
+                link.symlink_to((plan.folder / rel).absolute())
+            else:
+                link.write_text(public, encoding="utf-8")
         if card is not None:
             (stage / CARD_FILE).write_bytes(card.encode("utf-8"))
         yield stage
+
+
+NOT_SCRUBBED = ("tokenizer", "vocab", "added_tokens", "special_tokens_map", "merges")  # their strings are text
+
+
+def public_json(path: Path) -> str | None:
+    """The text to upload for a JSON file that names absolute local paths (reports of older attnkit
+    versions, a training summary's recipe), those paths replaced by folder names; None when the file
+    goes as it is (not JSON, a tokenizer's file, or nothing to replace)."""
+    from attnkit.io.public import public_report
+
+    if path.suffix != ".json" or path.name.startswith(NOT_SCRUBBED) or path.stat().st_size > 64 * 1024**2:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    public = public_report(path.name, data, None)  # local folders by their names only
+    if public == data:
+        return None
+    print(f"attnkit: note: absolute local paths in {path.name} are uploaded as folder names", file=sys.stderr)
+    return json.dumps(public, indent=2) + "\n"
 
 
 def _keep_card(folder: Path, card: str) -> None:

@@ -51,10 +51,29 @@ def save_healed(
             if not (tmp / src.name).exists():
                 shutil.copy2(src, tmp / src.name)
         if (student_path / CONVERT_REPORT).is_file():  # keep the conversion's story in the card
-            shutil.copy2(student_path / CONVERT_REPORT, tmp / CONVERT_REPORT)
+            _copy_convert_report(student_path, tmp)
         (tmp / FINETUNE_REPORT).write_text(json.dumps(report, indent=2, default=str))
         _write_card(tmp)
     return out
+
+
+def _copy_convert_report(student_path: Path, tmp: Path) -> None:
+    """The student's conversion report, its source folder (written relative to the student's folder)
+    made absolute again so that it is written relative to the new output when the folder is complete."""
+    try:
+        report = json.loads((student_path / CONVERT_REPORT).read_text(encoding="utf-8"))
+        path = report["source"]["path"]
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError):
+        shutil.copy2(student_path / CONVERT_REPORT, tmp / CONVERT_REPORT)
+        return
+    from attnkit.io.public import local_folder
+
+    local = local_folder(student_path, CONVERT_REPORT, "source.path")
+    if local is not None:
+        report["source"]["path"] = str(local)
+    elif isinstance(path, str) and path and not Path(path).is_absolute() and (student_path / path).is_dir():
+        report["source"]["path"] = str((student_path / path).resolve())
+    (tmp / CONVERT_REPORT).write_text(json.dumps(report, indent=2), encoding="utf-8")
 
 
 def _write_card(folder: Path) -> None:
