@@ -18,6 +18,7 @@ from attnkit.io.checkpoint import atomic_output_dir, claim_output, lock_path
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import refused_in_one_line, tree_digest  # noqa: E402
 from mla_fixtures import save_model  # noqa: E402
+from test_finetune_fixtures import tiny  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +188,95 @@ def test_unknown_eval_task_is_refused_before_converting(tmp_path, src, capsys, m
     refused_in_one_line(lambda: main(["convert", "--to", "mla", str(src), "-o", str(tmp_path / "o"), "--eval",
                                       "--tasks", "attnkit-quick,no-such-task"]), capsys, tmp_path / "o",
                         "unknown task 'no-such-task'")
+
+
+# ---------------------------------------------------------------- 4. no absolute local paths in reports
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+def _absolute_in_reports(folder: Path) -> list[str]:
+    return [f"{p.name}: {s}" for p in sorted(folder.glob("*.json")) if not p.name.startswith(("tokenizer", "."))
+            for s in _strings(json.loads(p.read_text())) if s.startswith(("/", "~"))]
+
+
+def test_convert_and_eval_reports_carry_no_absolute_paths(tmp_path, src, calib):
+    from types import SimpleNamespace
+
+    from attnkit.io.public import LOCAL_FILE
+    from attnkit.recipes.finetune import teacher_spec
+
+    out = tmp_path / "out"
+    assert main(["convert", "--to", "mla", str(src.resolve()), "-o", str(out.resolve()), "--calib", str(calib.resolve()),
+                 "--calib-tokens", "1024", "--eval-tokens", "512", "--calib-seq-len", "256", "--report", "final",
+                 "--eval", "--tasks", "attnkit-ppl-quick"]) == 0
+    assert (out / "eval_results.json").is_file() and _absolute_in_reports(out) == []
+    report = json.loads((out / "attnkit_report.json").read_text())
+    assert report["source"]["path"] == src.name  # outside the working directory: by its name
+    # ... while this machine still knows where it is (never uploaded): `teacher: source` finds it
+    assert json.loads((out / LOCAL_FILE).read_text())["attnkit_report.json"]["source.path"] == str(src.resolve())
+    assert teacher_spec(SimpleNamespace(teacher="source"), out) == str(src.resolve())
+    from attnkit.io.hub import upload_files
+
+    assert LOCAL_FILE not in upload_files(out)
+
+
+def test_eval_of_the_bundled_reference_names_it_by_its_word(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["eval", "reference", "--tasks", "attnkit-ppl-quick", "--limit", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["models"]["model"]["path"] == "reference" and [s for s in _strings(result) if s.startswith("/")] == []
+
+
+def test_public_paths_relative_to_the_output_under_the_working_directory(tmp_path, monkeypatch):
+    from attnkit.io.public import public_model, public_path
+    from attnkit.io.resolve import REFERENCE_DIR
+
+    (tmp_path / "models" / "src").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out" / "x"
+    assert public_path(tmp_path / "models" / "src", out) == "../../models/src"
+    assert public_path("models/src", out) == "../../models/src"
+    assert public_path("/elsewhere/my-llama", out) == "my-llama"
+    assert public_path(REFERENCE_DIR, out) == "reference"
+    hub = "/root/.cache/huggingface/hub/models--meta-llama--Llama-3.2-1B/snapshots/abc"
+    assert public_path(hub, out) == "models--meta-llama--Llama-3.2-1B/snapshots/abc"
+    assert public_model("meta-llama/Llama-3.2-1B", hub, out) == ("meta-llama/Llama-3.2-1B", "models--meta-llama--Llama-3.2-1B/snapshots/abc")
+    # a local folder shaped like a Hub id is marked local, so that a card made later does not take it for one
+    assert public_model("models/src", str(tmp_path / "models" / "src"), out) == ("./models/src", "../../models/src")
+    assert public_model(str(tmp_path / "models" / "src"), str(tmp_path / "models" / "src"), out) == \
+        ("../../models/src", "../../models/src")
+
+
+# ---------------------------------------------------------------- 6. finetune's last line, its missing model
+
+
+def test_finetune_ends_with_one_line_and_its_report_has_no_absolute_path(tiny, tmp_path, capsys):
+    from test_finetune_fixtures import base_recipe, write_recipe
+
+    recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])
+    recipe["train"]["max_steps"] = 2
+    assert main(["finetune", "--config", str(write_recipe(tmp_path / "r.yaml", **recipe))]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    saved = json.loads((tmp_path / "out" / "finetune_report.json").read_text())
+    before, after = (saved[k]["validation"]["token_perplexity"] for k in ("eval_before", "eval_after"))
+    assert last == f"attnkit finetune: wrote {tmp_path / 'out'} (validation ppl {before:.2f} -> {after:.2f})"
+    assert _absolute_in_reports(tmp_path / "out") == []
+
+
+def test_finetune_missing_local_model_names_the_command_that_makes_it(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    recipe = shutil.copy(Path(__file__).resolve().parents[1] / "recipes" / "heal-mla.yaml", tmp_path / "heal.yaml")
+    monkeypatch.chdir(tmp_path)  # no out/ref-mla30 here: the recipe's default student is not converted yet
+    refused_in_one_line(lambda: main(["finetune", "--config", str(recipe)]), capsys, tmp_path / "out",
+                        "out/ref-mla30", "local folder does not exist", "attnkit convert --to mla reference -o out/ref-mla30")

@@ -32,7 +32,8 @@ from attnkit import __version__
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import check_output_dir, weights_fingerprint
-from attnkit.io.resolve import check_causal_lm, resolve_model
+from attnkit.io.public import local_folder
+from attnkit.io.resolve import BUNDLED, check_causal_lm, resolve_model
 from attnkit.recipes import batches, measure, state, teacher_cache, trainable
 from attnkit.recipes.export import final_model, input_dtype, save_healed
 from attnkit.recipes.losses import heal_loss
@@ -91,6 +92,50 @@ def load_causal_lm(path: Path, trust_remote_code: bool, dtype: torch.dtype = tor
         raise AttnkitError(f"cannot load {path} as a causal LM: {str(exc).splitlines()[0]}") from None
 
 
+def finished_line(out, report: dict) -> str:
+    """The last line of a run: where the healed model is and what healing did to the validation perplexity."""
+    def ppl(result: dict | None) -> str:
+        value = ((result or {}).get("validation") or {}).get("token_perplexity")
+        return "?" if value is None else f"{value:.2f}"
+
+    return f"attnkit finetune: wrote {out} (validation ppl {ppl(report.get('eval_before'))} -> {ppl(report.get('eval_after'))})"
+
+
+def _making_command(spec: str, config_path: str | None) -> str | None:
+    """The `attnkit convert ... -o SPEC` command a recipe's comment gives for its (local) model, if any."""
+    if not config_path:
+        return None
+    try:
+        lines = Path(config_path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in lines:
+        text = line.strip().lstrip("#").strip()
+        words = text.split()
+        if text.startswith("attnkit convert") and any(a in ("-o", "--out") and b.rstrip("/") == spec.rstrip("/")
+                                                       for a, b in zip(words, words[1:])):
+            return text
+    return None
+
+
+def resolve_student(spec: str, config_path: str | None = None) -> Path:
+    """`resolve_model` for the recipe's `model`, where a local folder that is not there yet is said as such:
+    `out/ref-mla30` is also a well-formed Hub id, and the Hub's "not in the cache / not found" would
+    mislead. The command that makes it is named when the recipe's comment gives one."""
+    if not Path(spec).expanduser().exists():
+        command = _making_command(spec, config_path)
+        if command:
+            raise AttnkitError(f"model {spec}: the local folder does not exist; convert it first: {command}")
+    try:
+        return resolve_model(spec)
+    except AttnkitError as exc:
+        first = Path(spec).parts[0] if Path(spec).parts else ""
+        if "/" in spec and not Path(spec).exists() and first and Path(first).is_dir():
+            raise AttnkitError(f"model {spec}: the local folder does not exist (nor a Hub model of that name: "
+                               f"{exc}); convert it first with `attnkit convert ... -o {spec}`") from None
+        raise
+
+
 def teacher_spec(recipe: Recipe, student_path: Path) -> str | None:
     """`teacher: source` means the model the student was converted from (its attnkit_report.json)."""
     if recipe.teacher != "source":
@@ -98,8 +143,15 @@ def teacher_spec(recipe: Recipe, student_path: Path) -> str | None:
     report = student_path / "attnkit_report.json"
     try:
         source = json.loads(report.read_text())["source"]
-        path = source.get("path")  # where the source was read from (may be relative to that run's cwd)
-        return path if path and Path(path).is_dir() else source["model"]
+        path = source.get("path")  # where the source was read from: relative to the student's folder (or absolute, older reports)
+        local = local_folder(student_path, "attnkit_report.json", "source.path")  # outside the cwd: by name in the report
+        if local is not None:
+            return str(local)
+        if path and not Path(path).is_absolute() and (student_path / path).is_dir() and path not in BUNDLED:
+            return str((student_path / path).resolve())
+        if path and Path(path).is_absolute() and Path(path).is_dir():
+            return path
+        return source["model"]
     except (OSError, ValueError, KeyError, TypeError):
         raise AttnkitError(f"teacher: source needs {report} with a source model; name the teacher instead") from None
 
@@ -160,7 +212,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     notes = [tb_note] if tb_note else []
 
     # Everything that can be refused is checked before anything is written.
-    student_path = resolve_model(recipe.model)
+    student_path = resolve_student(recipe.model, config_path)
     config = check_causal_lm(student_path)
     trust = "auto_map" in config
     out = check_output_dir(recipe.output_dir, recipe.force, (student_path,))
@@ -337,6 +389,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         healed = final_model(accelerator.unwrap_model(model), recipe.train.lora.merge)
         save_healed(healed, tokenizer, student_path, out, recipe.force, input_dtype(config), report, full_state)
         log.write({"event": "saved", "output_dir": str(out)})
+        print(finished_line(recipe.output_dir, report), flush=True)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return report
