@@ -314,7 +314,7 @@ def _attention_backends(model) -> list[str]:
     return sorted(names)
 
 
-def steady_decode(engine, prompts: list, steps: int) -> dict:
+def steady_decode(engine, prompts: list, steps: int, profile: bool = False) -> dict:
     """Decode tokens/s of the whole batch at once: the requests are added together and the engine is
     stepped until every one has its first token (all prefills done; vLLM mixes early requests' decode
     into later prefills, so timing a whole `generate` would not measure batch-B decode), then `steps`
@@ -330,16 +330,27 @@ def steady_decode(engine, prompts: list, steps: int) -> dict:
     while len(started) < len(ids):
         started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
     prefill_s = time.perf_counter() - t0
+    import contextlib  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
     t1 = time.perf_counter()
     tokens = 0
     for _ in range(steps):
         tokens += sum(1 for o in engine.step() if o.outputs)
     decode_s = time.perf_counter() - t1
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    with prof if prof is not None else contextlib.nullcontext():  # a few more steps, after the timed ones
+        for _ in range(min(steps, 8) if profile else 0):
+            engine.step()
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    return {"prefill_s": round(prefill_s, 3), "decode_steps": steps, "decode_s": round(decode_s, 4),
-            "decode_tokens": tokens, "decode_tok_s": tokens / decode_s if decode_s > 0 else None}
+    out = {"prefill_s": round(prefill_s, 3), "decode_steps": steps, "decode_s": round(decode_s, 4),
+           "decode_tokens": tokens, "decode_tok_s": tokens / decode_s if decode_s > 0 else None}
+    if prof is not None:  # where the decode steps' time goes (untimed steps: profiling slows them)
+        out["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return out
 
 
 def _child(req_path: str, res_path: str) -> None:
@@ -407,7 +418,9 @@ def _child(req_path: str, res_path: str) -> None:
                 if fits is not None and batch > fits:
                     run["skipped"] = f"batch {batch} > {fits}, the most the KV cache holds at this context"
                     continue
-                run.update(steady_decode(engine, prompts(batch, ctx), new))
+                run.update(steady_decode(engine, prompts(batch, ctx), new,
+                                         profile=(ctx, batch) == (max(req["contexts"]), max(req["batches"]))
+                                         and req.get("profile", False)))
                 status("bench", last_run=run)
         res["runs"] = runs
     Path(res_path).write_text(json.dumps(res))
@@ -656,7 +669,7 @@ def bench_model(model_dir: Path, args, venv: Path, env: dict, log_dir: Path) -> 
     max_len = args.max_model_len or max(args.contexts) + args.bench_tokens
     request = {"mode": "bench", "model": str(model_dir), "dtype": args.dtype, "max_model_len": max_len,
                "enforce_eager": args.enforce_eager, "contexts": args.contexts, "batches": args.batches,
-               "bench_tokens": args.bench_tokens}
+               "bench_tokens": args.bench_tokens, "profile": args.profile}
     log(f"[{model_dir.name}] vLLM bench ({args.dtype}, contexts {args.contexts}, batches {args.batches}, "
         f"env {args.env_dict}) ...")
     v = run_child(venv, request, env, log_dir / f"{model_dir.name}.bench.log", args.timeout)
@@ -755,6 +768,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="2048,8192,16384", help="--bench: prompt lengths")
     ap.add_argument("--batches", default="1,16", help="--bench: batch sizes")
     ap.add_argument("--bench-tokens", type=int, default=32, help="--bench: new tokens per request")
+    ap.add_argument("--profile", action="store_true",
+                    help="--bench: profile (torch.profiler, CPU) the decode steps of the largest context x batch")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed for one vLLM child")
     ap.add_argument("--log-dir", type=Path, default=None,
                     help="keep vLLM's logs here (default: OUT's folder/<OUT stem>-logs, else a new temp folder)")
