@@ -280,3 +280,18 @@ def test_finetune_missing_local_model_names_the_command_that_makes_it(tmp_path, 
     monkeypatch.chdir(tmp_path)  # no out/ref-mla30 here: the recipe's default student is not converted yet
     refused_in_one_line(lambda: main(["finetune", "--config", str(recipe)]), capsys, tmp_path / "out",
                         "out/ref-mla30", "local folder does not exist", "attnkit convert --to mla reference -o out/ref-mla30")
+
+
+def test_intermediates_in_scratch_keep_their_paths_outputs_do_not(tmp_path, src):
+    """mla+dex converts to MLA in a scratch folder first; its report is read back, so it keeps its paths."""
+    from attnkit.io.checkpoint import scratch_dir
+
+    report = {"source": {"model": str(src), "path": str(src)}, "settings": {"calib": str(src)}}
+    with scratch_dir(tmp_path / "out") as scratch:
+        with atomic_output_dir(scratch / "mla") as tmp:
+            (tmp / "attnkit_report.json").write_text(json.dumps(report))
+        assert json.loads((scratch / "mla" / "attnkit_report.json").read_text()) == report
+    with atomic_output_dir(tmp_path / "out") as tmp:
+        (tmp / "attnkit_report.json").write_text(json.dumps(report))
+    public = json.loads((tmp_path / "out" / "attnkit_report.json").read_text())
+    assert public == {"source": {"model": src.name, "path": src.name}, "settings": {"calib": src.name}}

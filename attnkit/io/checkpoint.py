@@ -355,7 +355,8 @@ def atomic_output_dir(out: str | os.PathLike, force: bool = False, sources: tupl
             yield tmp
             from attnkit.io.public import publish_reports
 
-            publish_reports(tmp, out)  # no absolute path of this machine in the reports (after the card was written)
+            if not any(TMP_MARK in part for part in out.parts):  # an intermediate in a scratch folder keeps its paths
+                publish_reports(tmp, out)  # no absolute path of this machine in the reports (after the card was written)
             if out.exists() or out.is_symlink():
                 if not force and (not out.is_dir() or any(out.iterdir())):
                     raise AttnkitError(f"output folder {out} appeared while this run was writing it; it was left as it "
