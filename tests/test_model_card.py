@@ -67,7 +67,7 @@ def test_convert_card_metadata_and_body(tmp_path):
     assert "| exact_rewrite | yes |" in body
     assert "12.9 before → 14.2 after" in body
     assert "trust_remote_code" not in body.split("## How to load")[1].split("```")[1]
-    assert "**transformers only**" in body and "llama.cpp refuses" in body  # a report without an engine form
+    assert "**transformers only**" in body and "so they refuse it" in body  # a report without an engine form
     assert GENERATED_MARKER in body
 
 
