@@ -40,6 +40,16 @@ def _conversion(folder: Path) -> dict | None:
     return json.loads(report.read_text()) if report.is_file() else None
 
 
+def _folder(report: Path, value: str) -> Path:
+    """A model folder a report names: absolute (older reports), or relative to the report's own folder
+    (attnkit writes local paths that way), else as given (relative to the working directory)."""
+    folder = Path(value)
+    if folder.is_absolute():
+        return folder
+    beside = Path(report).parent / folder
+    return beside if beside.is_dir() else folder
+
+
 def _describe(conv: dict) -> tuple[str, str, str]:
     """(source name, family, short label) of a convert report."""
     source = Path(conv["source"]["path"]).name
@@ -53,7 +63,7 @@ def _describe(conv: dict) -> tuple[str, str, str]:
 def points_of(path: Path, data: dict, metric: str) -> list[Point]:
     """The points one report contributes (pure: the conversion report is read by the caller's helper)."""
     if "eval_after" in data:  # finetune_report.json
-        conv = _conversion(Path(data["base_model_path"]))
+        conv = _conversion(_folder(path, data["base_model_path"]))
         if conv is None:
             return []
         source, family, label = _describe(conv)
@@ -66,7 +76,7 @@ def points_of(path: Path, data: dict, metric: str) -> list[Point]:
         return out
     model = data["models"]["model"]
     ppl = _metric(model["metrics"], metric)
-    conv = _conversion(Path(model["path"]))
+    conv = _conversion(_folder(path, model["path"]))
     if ppl is None:
         return []
     if conv is None:

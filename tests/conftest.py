@@ -20,6 +20,7 @@ def load_benchmark(relative: str, name: str):
     """A script under benchmarks/ imported as a module (they are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / relative)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 

@@ -312,3 +312,23 @@ def test_llama_cpp_bench_parsing():
     assert lb.parse_kv_bytes(log) == 2052 * 2**20 and lb.parse_kv_bytes("nothing") is None
     # 1 GiB at 8,192 B/token: 131,072 tokens = 7 sequences of 16,384 + 32
     assert lb.largest_batch(2**30, 8192.0, 16384, 32) == 7
+
+
+def test_gqa_mla_plot_follows_relative_model_paths(tmp_path):
+    """Reports name local folders relative to themselves (no absolute paths leave the machine): the plot
+    script finds the conversion a healed model came from through them."""
+    import json
+
+    plot = load_benchmark("gqa_mla_plot.py", "bench_gqa_mla_plot")
+    conv = tmp_path / "out" / "ref-gqa"
+    conv.mkdir(parents=True)
+    (conv / "attnkit_report.json").write_text(json.dumps({
+        "method": "gqa", "source": {"path": "reference"}, "kv_cache_bytes_per_token": {"after": 1024},
+        "target": {"merge": "aligned", "num_key_value_heads": 1}}))
+    healed = tmp_path / "out" / "ref-gqa-healed"
+    healed.mkdir()
+    report = {"base_model_path": "../ref-gqa", "eval_before": {"attnkit-ppl": {"token_perplexity": 40.0}},
+              "eval_after": {"attnkit-ppl": {"token_perplexity": 32.0}}}
+    points = plot.points_of(healed / "finetune_report.json", report, "attnkit-ppl/token_perplexity")
+    assert [(p.state, p.ppl, p.kv_bytes, p.source) for p in points] == [("one-shot", 40.0, 1024, "reference"),
+                                                                        ("healed", 32.0, 1024, "reference")]
