@@ -84,14 +84,15 @@ def test_calibration_keeps_no_graph():
 
 @pytest.mark.slow
 def test_retrofit_peak_does_not_grow_with_calibration_length(tmp_path):
-    """Eager probabilities at T = 1024 (batches of 4 x 8 heads x 1024 x 1024, their fp64 entropy
-    temporaries, and before the fix a graph holding them) added ~1 GB over T = 256; one block of query
-    rows adds nothing measurable."""
+    """Eager probabilities at T = 2048 (batches of 2 x 8 heads x 2048 x 2048: 268 MB per layer in fp32, their
+    fp64 entropy temporaries twice that each, and before the fix a graph holding every layer's) add well over
+    a gigabyte to T = 256; one block of query rows adds nothing but noise (peaks of 665-739 MB at T = 256,
+    1024 and 2048 on one machine, in no order)."""
     calib = calib_folder(tmp_path / "calib")
     src = save_model(tmp_path / "src", "llama", num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-                     max_position_embeddings=2048)
+                     max_position_embeddings=4096)
     peaks = {}
-    for seq in (256, 1024):
+    for seq in (256, 2048):
         samples = []
         for i in range(2):  # the lower of two: one run's RSS noise cannot fail the bound
             code, peak, err = run_with_peak(["convert", "--to", "dex", str(src), "-o", str(tmp_path / f"o{seq}-{i}"),
@@ -100,4 +101,4 @@ def test_retrofit_peak_does_not_grow_with_calibration_length(tmp_path):
             assert code == 0, err
             samples.append(peak)
         peaks[seq] = min(samples)
-    assert peaks[1024] - peaks[256] < 150e6, peaks
+    assert peaks[2048] - peaks[256] < 300e6, peaks

@@ -23,6 +23,8 @@ and referenced from `auto_map`, so it imports only torch and transformers.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -222,7 +224,8 @@ def _make_classes(family_name: str, family: Family) -> tuple[type, type]:
         family.model_class.__init__(self, config)
         install_retrofit(self, config, family_name)
 
-    def forward(self, *args, **kwargs):
+    @functools.wraps(family.model_class.forward)  # its signature: callers see it takes `cache` (not the
+    def forward(self, *args, **kwargs):               # deprecated `past_key_values`)
         if self.config.attnkit.get("method") == "titans":  # its bounded cache, not the default one
             kwargs = with_titans_cache(self.config, kwargs)
         return family.model_class.forward(self, *args, **kwargs)

@@ -227,10 +227,14 @@ def _settings(args: argparse.Namespace) -> dict:
 
 def _summary(report: dict, out: str) -> str:
     step = report["steps"][-1]
+    # after MLA (`mla+…`) the inserted modules are exact on the MLA model, while the perplexity's "before" is
+    # the user's model: the change is the MLA step's, not this one's
+    on = " on the MLA model" if "mla" in report else ""
+    lossy = "; the change is the MLA step's" if "mla" in report else ""
     lines = [
         f"attnkit convert --to {report['method']}: wrote {out}",
-        f"  logits rel. error max {step['logits_rel_err_max']:.2e} (exact: {step['exact']}), "
-        f"ppl {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f} ({report['ppl']['split']})",
+        f"  {step['name']}{on}: logits rel. error max {step['logits_rel_err_max']:.2e} (exact: {step['exact']}); "
+        f"ppl {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f} ({report['ppl']['split']}{lossy})",
         "  " + kv_change(report["kv_cache_bytes_per_token"]),  # before: the user's model, also for mla+dex
     ]
     if "titans" in report:

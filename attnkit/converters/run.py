@@ -56,8 +56,13 @@ def main(args: argparse.Namespace) -> int:
     from attnkit.io.resolve import resolve_model
 
     check_calib_source(args.calib)
+    if args.to in ("dex", "mla+dex"):  # the head rule is an argument: checked before any model is looked at
+        from attnkit.converters.dex.heads import parse_heads
+
+        parse_heads(args.heads, args.heads_fraction)
     path = resolve_model(args.model)
-    check_finite(path, args.model)  # reads every weight: last; a NaN/Inf weight fails here, not midway through a method
+    if any(path.glob("*.safetensors")):  # a folder without weights is the method's to refuse, after its config checks
+        check_finite(path, args.model)  # reads every weight: last; a NaN/Inf weight fails here, not midway through a method
     try:
         rc = load_handler(PIPELINES[args.to], f"attnkit convert --to {args.to}")(args) or 0
     except AttnkitError as exc:

@@ -315,14 +315,38 @@ TMP_MARK = ".attnkit-tmp-"  # .OUT.attnkit-tmp-PID-XXXXXXXX: the scratch folder 
 
 
 def remove_stale_tmp(parent: Path) -> list[Path]:
-    """Remove attnkit scratch folders in `parent` left by processes that are gone (killed runs)."""
+    """Remove attnkit scratch folders and output locks in `parent` left by processes that are gone
+    (killed runs)."""
     removed = []
     for folder in parent.glob(f".*{TMP_MARK}*") if parent.is_dir() else []:
         pid = folder.name.rsplit(TMP_MARK, 1)[1].split("-")[0]
         if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
+    for lock in parent.glob(f".*{LOCK_MARK}") if parent.is_dir() else []:
+        if str(lock) not in _claims and _remove_if_free(lock):
+            removed.append(lock)
     return removed
+
+
+def _remove_if_free(lock: Path) -> bool:
+    """Unlink a lock file no process holds (its writer was killed: the kernel freed the lock, the file
+    stayed). Taken first, so a live holder is never touched; a claimer that opened the old file meanwhile
+    sees it replaced and locks the new one (`_acquire`)."""
+    try:
+        import fcntl
+
+        fd = os.open(lock, os.O_RDONLY)
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.unlink()
+        return True
+    except OSError:  # held (BlockingIOError), gone already, or no locks here
+        return False
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
