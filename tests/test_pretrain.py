@@ -96,3 +96,18 @@ def test_recipe_errors_name_the_key(tmp_path, corpus):
         load_recipe(tmp_path / "r.yaml", PretrainRecipe, ["train.batch_size=big"])
     with pytest.raises(AttnkitError, match="is not KEY=VALUE"):
         load_recipe(tmp_path / "r.yaml", PretrainRecipe, ["train.lr"])
+
+
+def test_reference_mha_is_bundled_and_vllm_sized():
+    """`reference-mha`: the MHA twin (8 KV heads x 64 = 1,024 cached values per token and layer), so vLLM's
+    MLA size 512 + 64 is a compression of it; small enough to ship."""
+    import json
+
+    from attnkit.io.resolve import resolve_model
+
+    folder = resolve_model("reference-mha")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["num_key_value_heads"] == cfg["num_attention_heads"] == 8 and cfg["head_dim"] == 64
+    assert 2 * cfg["num_key_value_heads"] * cfg["head_dim"] > 512 + 64
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= 25 * 2**20
+    assert (folder / "tokenizer.json").is_file() and "MHA" in (folder / "README.md").read_text()

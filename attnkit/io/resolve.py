@@ -12,7 +12,8 @@ from attnkit.errors import AttnkitError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # the bundled pretrained models a MODEL word names, and the recipe that rebuilds each
-BUNDLED = {"reference": "recipes/reference.yaml", "reference-qwen3": "recipes/reference-qwen3.yaml"}
+BUNDLED = {"reference": "recipes/reference.yaml", "reference-qwen3": "recipes/reference-qwen3.yaml",
+           "reference-mha": "recipes/reference-mha.yaml"}
 REFERENCE_DIR = ASSETS / "reference"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -36,7 +37,7 @@ def resolve_model(spec: str, revision: str | None = None) -> Path:
 
 
 def _bundled(name: str) -> Path:
-    """A bundled model's folder (`reference`, `reference-qwen3`); the word wins over a folder of that name."""
+    """A bundled model's folder (`reference`, `reference-qwen3`, `reference-mha`); the word wins over a folder of that name."""
     folder = ASSETS / name
     if not (folder / "config.json").is_file():
         raise AttnkitError(f"the bundled model {name} is missing from {folder}; build it with "

@@ -306,13 +306,14 @@ def _card(recipe: PretrainRecipe, s: dict, model_class: str = "LlamaForCausalLM"
     from attnkit.io.model_card import scrub  # a local corpus path by its folder name: the card is public
 
     m, corpus = recipe.model, scrub(recipe.corpus)
+    kind = "mha" if m.num_key_value_heads == m.num_attention_heads else "mqa" if m.num_key_value_heads == 1 else "gqa"
     return f"""---
 library_name: transformers
-tags: [attnkit, reference-model, {model_type}, gqa]
+tags: [attnkit, reference-model, {model_type}, {kind}]
 ---
 # attnkit reference model
 
-A small GQA `{model_class}` trained by `attnkit pretrain` (its recipe is in training_summary.json) so that
+A small {kind.upper()} `{model_class}` trained by `attnkit pretrain` (its recipe is in training_summary.json) so that
 attnkit can measure the quality a conversion keeps without downloading anything.
 
 * Architecture: {m.num_hidden_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} query heads,
