@@ -314,39 +314,51 @@ def _attention_backends(model) -> list[str]:
     return sorted(names)
 
 
-def steady_decode(engine, prompts: list, steps: int, profile: bool = False) -> dict:
+def steady_decode(engine, prompts: list, steps: int, profile: bool = False, shared_prefix: bool = False) -> dict:
     """Decode tokens/s of the whole batch at once: the requests are added together and the engine is
     stepped until every one has its first token (all prefills done; vLLM mixes early requests' decode
-    into later prefills, so timing a whole `generate` would not measure batch-B decode), then `steps`
-    more engine steps are timed, each one token for every request. The requests are then aborted."""
+    into later prefills, so timing a whole `generate` would not measure batch-B decode), then until every
+    request has `steps` more tokens; the new tokens of all requests over that time. The requests are then
+    aborted."""
+    import contextlib  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
     from vllm import SamplingParams  # noqa: PLC0415
 
     params = SamplingParams(max_tokens=steps + 4096, ignore_eos=True, temperature=0.0, detokenize=False)
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    lengths = dict.fromkeys(ids, 0)  # tokens generated so far, per request (cumulative outputs)
+    n_steps = 0
+
+    def step() -> None:
+        nonlocal n_steps
+        n_steps += 1
+        for o in engine.step():
+            if o.outputs:
+                lengths[o.request_id] = len(o.outputs[0].token_ids)
+
     t0 = time.perf_counter()
-    for rid, prompt in zip(ids, prompts):
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
         engine.add_request(rid, prompt, params)
-    started: set = set()
-    while len(started) < len(ids):
-        started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+        while shared_prefix and i == 0 and lengths[rid] < 1:  # the shared prefix prefilled (and cached) once,
+            step()                                            # before the others are added and reuse it
+    while min(lengths.values()) < 1:
+        step()
     prefill_s = time.perf_counter() - t0
-    import contextlib  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-
+    start, first_steps = dict(lengths), n_steps
     t1 = time.perf_counter()
-    tokens = 0
-    for _ in range(steps):
-        tokens += sum(1 for o in engine.step() if o.outputs)
+    while min(lengths[r] - start[r] for r in ids) < steps and n_steps - first_steps < 50 * steps:  # bounded
+        step()
     decode_s = time.perf_counter() - t1
+    tokens, decode_steps = sum(lengths[r] - start[r] for r in ids), n_steps - first_steps
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     with prof if prof is not None else contextlib.nullcontext():  # a few more steps, after the timed ones
         for _ in range(min(steps, 8) if profile else 0):
-            engine.step()
+            step()
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    out = {"prefill_s": round(prefill_s, 3), "decode_steps": steps, "decode_s": round(decode_s, 4),
+    out = {"prefill_s": round(prefill_s, 3), "decode_steps": decode_steps, "decode_s": round(decode_s, 4),
            "decode_tokens": tokens, "decode_tok_s": tokens / decode_s if decode_s > 0 else None}
     if prof is not None:  # where the decode steps' time goes (untimed steps: profiling slows them)
         out["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
@@ -362,7 +374,7 @@ def _child(req_path: str, res_path: str) -> None:
     res: dict = {"vllm": vllm.__version__}
     t0 = time.time()
     llm = LLM(model=req["model"], dtype=req["dtype"], max_model_len=req["max_model_len"],
-              enforce_eager=req["enforce_eager"], seed=0, enable_prefix_caching=False)
+              enforce_eager=req["enforce_eager"], seed=0, enable_prefix_caching=bool(req.get("shared_prefix")))
     res["load_s"] = round(time.time() - t0, 1)
     engine = llm.llm_engine
     res["use_mla"] = bool(getattr(engine.model_config, "use_mla", False))
@@ -400,6 +412,9 @@ def _child(req_path: str, res_path: str) -> None:
         lo = min(16, vocab - 1)  # keep clear of the special ids at the start of most vocabularies
 
         def prompts(n, length):
+            if req.get("shared_prefix"):  # one prompt, its last token varied: prefilled once (prefix caching),
+                base = [rng.randrange(lo, vocab) for _ in range(length)]  # each request still decodes its own
+                return [TokensPrompt(prompt_token_ids=base[:-1] + [lo + i % (vocab - lo)]) for i in range(n)]
             return [TokensPrompt(prompt_token_ids=[rng.randrange(lo, vocab) for _ in range(length)])
                     for _ in range(n)]
 
@@ -420,7 +435,7 @@ def _child(req_path: str, res_path: str) -> None:
                     continue
                 run.update(steady_decode(engine, prompts(batch, ctx), new,
                                          profile=(ctx, batch) == (max(req["contexts"]), max(req["batches"]))
-                                         and req.get("profile", False)))
+                                         and req.get("profile", False), shared_prefix=bool(req.get("shared_prefix"))))
                 status("bench", last_run=run)
         res["runs"] = runs
     Path(res_path).write_text(json.dumps(res))
@@ -669,7 +684,7 @@ def bench_model(model_dir: Path, args, venv: Path, env: dict, log_dir: Path) -> 
     max_len = args.max_model_len or max(args.contexts) + args.bench_tokens
     request = {"mode": "bench", "model": str(model_dir), "dtype": args.dtype, "max_model_len": max_len,
                "enforce_eager": args.enforce_eager, "contexts": args.contexts, "batches": args.batches,
-               "bench_tokens": args.bench_tokens, "profile": args.profile}
+               "bench_tokens": args.bench_tokens, "profile": args.profile, "shared_prefix": args.shared_prefix}
     log(f"[{model_dir.name}] vLLM bench ({args.dtype}, contexts {args.contexts}, batches {args.batches}, "
         f"env {args.env_dict}) ...")
     v = run_child(venv, request, env, log_dir / f"{model_dir.name}.bench.log", args.timeout)
@@ -768,6 +783,9 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="2048,8192,16384", help="--bench: prompt lengths")
     ap.add_argument("--batches", default="1,16", help="--bench: batch sizes")
     ap.add_argument("--bench-tokens", type=int, default=32, help="--bench: new tokens per request")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="--bench: the batch's prompts share all but their last token and vLLM's prefix caching is on, "
+                         "so a long context is prefilled once per batch (decode still reads every request's cache)")
     ap.add_argument("--profile", action="store_true",
                     help="--bench: profile (torch.profiler, CPU) the decode steps of the largest context x batch")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds allowed for one vLLM child")
