@@ -67,3 +67,15 @@ def calib_folder(folder: Path, n_docs: int = 60) -> Path:
     for i in range(n_docs):
         (folder / f"doc{i:03d}.txt").write_text("".join(TEXT[(i * 7 + j) % len(TEXT)] for j in range(12)))
     return folder
+
+
+def logits_rel(a_path, b_path) -> float:
+    """Relative logits error of model folder b against a (fp32, the same random ids)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (2, 40))
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(a_path, dtype=torch.float32).eval()(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(b_path, dtype=torch.float32).eval()(ids).logits
+    return float((a - b).norm() / a.norm())

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from attnkit.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mla_fixtures import save_model  # noqa: E402
+from mla_fixtures import logits_rel, save_model  # noqa: E402
 from conftest import refused_in_one_line, tree_digest  # noqa: E402
 
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "128"]
@@ -26,15 +26,6 @@ def _convert(src, out, calib, *extra):
     return main(["convert", "--to", "mla", str(src), "-o", str(out), "--calib", str(calib), *FAST, *extra])
 
 
-def _logits_rel(a_path, b_path):
-    torch.manual_seed(0)
-    ids = torch.randint(3, 100, (2, 40))
-    with torch.no_grad():
-        a = AutoModelForCausalLM.from_pretrained(a_path, dtype=torch.float32).eval()(ids).logits
-        b = AutoModelForCausalLM.from_pretrained(b_path, dtype=torch.float32).eval()(ids).logits
-    return float((a - b).norm() / a.norm())
-
-
 @pytest.mark.parametrize("kind", ["llama", "llama3", "mistral", "qwen2", "phi3", "smollm", "mha", "mqa"])
 def test_full_size_is_exact_and_loads_natively(tmp_path, calib, kind):
     src = save_model(tmp_path / "src", kind)
@@ -47,7 +38,7 @@ def test_full_size_is_exact_and_loads_natively(tmp_path, calib, kind):
     assert out_cfg["model_type"] == "deepseek_v3" and out_cfg["first_k_dense_replace"] == cfg.num_hidden_layers
     assert out_cfg["num_key_value_heads"] == cfg.num_attention_heads and "auto_map" not in out_cfg
     assert out_cfg["tie_word_embeddings"] == bool(cfg.tie_word_embeddings)
-    assert _logits_rel(src, tmp_path / "out") < 1e-4
+    assert logits_rel(src, tmp_path / "out") < 1e-4
     report = json.loads((tmp_path / "out" / "attnkit_report.json").read_text())
     assert report["method"] == "mla" and report["load"]["trust_remote_code"] is False
     assert [s["name"] for s in report["steps"]] == ["exact", "rope", "balance", "low-rank", "refit", "native"]
@@ -90,7 +81,7 @@ def test_geometric_frequencies_and_bf16_sharded_source(tmp_path, calib):
     assert out_cfg["rope_parameters"]["rope_type"] == "yarn" and out_cfg["rope_parameters"]["factor"] == 1.0
     # the transformers-only form: a name engines refuse; transformers builds it from model_type (logits below)
     assert out_cfg["architectures"] == ["AttnkitExactDeepseekV3ForCausalLM"]
-    assert _logits_rel(sharded, tmp_path / "out") < 1e-4  # MQA, d_r = d: the plain ladder is exact
+    assert logits_rel(sharded, tmp_path / "out") < 1e-4  # MQA, d_r = d: the plain ladder is exact
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -21,7 +21,7 @@ from attnkit.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import refused_in_one_line  # noqa: E402
-from mla_fixtures import tokenizer  # noqa: E402
+from mla_fixtures import logits_rel, tokenizer  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 FAST = ["--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "64"]
@@ -87,15 +87,6 @@ def build(name: str, folder: Path, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     tokenizer().save_pretrained(folder)
     return folder
-
-
-def _logits_rel(a_path, b_path):
-    torch.manual_seed(0)
-    ids = torch.randint(3, 100, (2, 40))
-    with torch.no_grad():
-        a = AutoModelForCausalLM.from_pretrained(a_path, dtype=torch.float32).eval()(ids).logits
-        b = AutoModelForCausalLM.from_pretrained(b_path, dtype=torch.float32).eval()(ids).logits
-    return float((a - b).norm() / a.norm())
 
 
 def convert(method: str, src: Path, out: Path, calib: Path, *extra: str) -> int:
@@ -196,7 +187,7 @@ def test_mla_full_size(sources, calib, tmp_path, capsys, name, expected):
         k = extra.index("--kv-lora-rank") + 1
         extra[k] = str(int(extra[k]) - 1)
     assert convert("mla", src, out, calib, *extra) == 0
-    assert _logits_rel(src, out) < 1e-4
+    assert logits_rel(src, out) < 1e-4
     report = json.loads((out / "attnkit_report.json").read_text())
     assert all(s["logits_rel_err_max"] < 1e-4 for s in report["steps"])
 

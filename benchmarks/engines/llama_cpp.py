@@ -48,14 +48,11 @@ from pathlib import Path
 
 
 def _load_common():
-    """benchmarks/engines/common.py, by its path (the scripts are not a package)."""
-    name = "attnkit_engines_common"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().with_name("common.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """benchmarks/engines/common.py, by its path (the scripts are not a package); shared by the scripts here."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common  # noqa: PLC0415
+
+    return common
 
 
 _common = _load_common()
