@@ -69,6 +69,8 @@ def _add_convert(sub) -> None:
                    "`attnkit eval OUT --baseline MODEL --tasks TASKS --out OUT/eval_results.json` would (the model "
                    "card states it)")
     p.add_argument("--tasks", default="attnkit-quick", metavar="TASKS", help="lm-eval tasks of --eval (as for attnkit eval)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="--eval: at most N documents per task (as for attnkit eval; quick checks)")
     mla = p.add_argument_group("MLA (--to mla)")
     mla.add_argument("--kv-lora-rank", type=int, default=None, metavar="R", help="latent rank r (default 512, clipped for small models)")
     mla.add_argument("--rope-dim", type=int, default=None, metavar="DR", help="decoupled RoPE dim d_r, even (default 64, clipped)")
@@ -296,6 +298,9 @@ def check_arguments(args: argparse.Namespace) -> None:
 
             check_can_write(args.out)  # now, not after the whole benchmark
     elif args.command == "convert":
+        _at_least(args, "limit", 1, "a positive number of documents per task (leave it out for all)")
+        if args.limit is not None and not args.eval:
+            raise AttnkitError("--limit applies to --eval (the evaluation after the conversion)")
         for flag, value, default in (("--heads", args.heads, "auto"), ("--heads-fraction", args.heads_fraction, 0.5)):
             if value != default and args.to not in ("dex", "mla+dex"):
                 raise AttnkitError(f"{flag} applies to --to dex and --to mla+dex, not --to {args.to}")

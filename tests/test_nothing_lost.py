@@ -143,6 +143,8 @@ def test_finite_scan_reads_every_shard(tmp_path):
     (["bench", "reference", "--prefill-chunk", "-1"], ["--prefill-chunk", "-1"]),
     (["convert", "--to", "mla", "reference", "-o", "OUT", "--heads", "0.5"], ["--heads", "--to dex"]),
     (["convert", "--to", "gqa", "reference", "-o", "OUT", "--heads-fraction", "0.3"], ["--heads-fraction"]),
+    (["convert", "--to", "mla", "reference", "-o", "OUT", "--eval", "--limit", "0"], ["--limit", "positive"]),
+    (["convert", "--to", "mla", "reference", "-o", "OUT", "--limit", "4"], ["--limit", "--eval"]),
 ])
 def test_bad_numbers_are_one_line(tmp_path, capsys, argv, words):
     argv = [str(tmp_path / "o") if a == "OUT" else a for a in argv]

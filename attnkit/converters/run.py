@@ -25,8 +25,8 @@ def eval_args(args: argparse.Namespace) -> argparse.Namespace:
     to: the results land where `attnkit push` reads them for the model card."""
     from attnkit.io.model_card import EVAL_RESULTS
 
-    return argparse.Namespace(model=args.out, baseline=args.model, tasks=args.tasks, limit=None, batch_size=4,
-                              dtype="fp32", device=args.device, out=str(Path(args.out) / EVAL_RESULTS), verbose=False)
+    return argparse.Namespace(model=args.out, baseline=args.model, tasks=args.tasks, limit=getattr(args, "limit", None),
+                              batch_size=4, dtype="fp32", device=args.device, out=str(Path(args.out) / EVAL_RESULTS), verbose=False)
 
 
 TOKENIZER_GLOBS = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.tiktoken", "spiece*", "sentencepiece*")
