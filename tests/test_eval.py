@@ -128,6 +128,13 @@ def test_table_says_direction_items_and_kv_dtype():
     assert any(line.startswith("retention = model / baseline") for line in lines)
     alone = run.format_table(_result(with_baseline=False))
     assert "retention" not in alone and "KV bytes/token (bf16, as stored)" in alone
+    # the perplexity it prints is named with its text and windows (the model card says the same)
+    from attnkit.evaluation.ppl import TASK_SENTENCE
+
+    assert lines[-1] == TASK_SENTENCE and "1024-token windows" in TASK_SENTENCE
+    result = _result()
+    result["models"]["model"]["metrics"]["attnkit-ppl"]["word_perplexity"] = 21470.9  # lm-eval's: in the JSON only
+    assert "word_perplexity" not in run.format_table(result)
 
 
 def test_table_gives_the_stored_and_the_measured_kv_dtype():

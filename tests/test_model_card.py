@@ -112,7 +112,7 @@ def test_healed_card_takes_index_from_the_trainer_when_no_eval_file(tmp_path):
     assert [(r["dataset"]["type"], m["type"], m["value"]) for r in results for m in r["metrics"]] == [("attnkit-complete", "acc", 0.47)]
     body = path.read_text()
     assert "## Healing (fine-tune)" in body
-    assert "| validation/token_perplexity | 18.2 | 13.5 |" in body
+    assert "| validation ppl | 18.2 | 13.5 |" in body and "validation ppl: on rows of the data's validation split." in body
     assert "| loss first → last | 3.25 → 2.5 |" in body
     assert "| tokens seen | 2000000 |" in body
 
@@ -393,3 +393,32 @@ def test_dex_card_snippet_runs_in_a_fresh_process_without_prompting(tmp_path):
     assert run.returncode == 0, output[-2000:]
     assert "custom code" not in output and "[y/N]" not in output, output[-2000:]
     assert run.stdout.split()[0] == "AttnkitLlamaForCausalLM"
+
+
+# ---------------------------------------------------------------- one name per perplexity (issue 29)
+
+
+def test_each_perplexity_is_named_and_the_card_leads_with_the_figure_eval_prints(tmp_path):
+    convert = dict(CONVERT, calibration={"source": "python", "seq_len": 512, "held_out_rows": 8,
+                                         "held_out_from": "validation split"})
+    ppl = {"word_perplexity": 21470.9, "byte_perplexity": 2.33, "bits_per_byte": 1.22, "token_perplexity": 29.56}
+    eval_results = {"limit": None, "models": {"model": {"metrics": {"attnkit-ppl-quick": ppl}},
+                                              "baseline": {"metrics": {"attnkit-ppl-quick": dict(ppl, token_perplexity=25.53)}}},
+                    "retention": {"attnkit-ppl-quick/token_perplexity": 1.158}}
+    finetune = dict(FINETUNE, validation_text={"rows": 16, "seq_len": 1024})
+    folder = _folder(tmp_path, attnkit_report__json=convert, eval_results__json=eval_results, finetune_report__json=finetune)
+    meta, body = _card(folder)
+    # the conversion's figure under its name, with its text and rows
+    assert ("held-out ppl (8 × 512-token rows of the calibration text's validation split, python): 12.9 before → "
+            "14.2 after conversion") in body
+    assert "| step | exact | " in body and "| kl | held-out ppl |" in body
+    # eval's: the rows `attnkit eval` prints, token_perplexity first, lm-eval's word_perplexity not in the table
+    table = body.split("## Evaluation")[1]
+    assert "word_perplexity" not in table
+    assert table.index("token_perplexity") < table.index("byte_perplexity") < table.index("bits_per_byte")
+    assert "token_perplexity (attnkit-ppl): per token over 24 held-out Python files" in table
+    first = meta["model-index"][0]["results"][0]["metrics"][0]
+    assert first["type"] == "token_perplexity" and first["value"] == 29.56
+    # the fine-tune's own
+    assert "| validation ppl | 18.2 | 13.5 |" in body
+    assert "validation ppl: on 16 × 1024-token rows of the data's validation split." in body

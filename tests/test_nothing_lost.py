@@ -271,7 +271,9 @@ def test_finetune_ends_with_one_line_and_its_report_has_no_absolute_path(tiny, t
     last = capsys.readouterr().out.strip().splitlines()[-1]
     saved = json.loads((tmp_path / "out" / "finetune_report.json").read_text())
     before, after = (saved[k]["validation"]["token_perplexity"] for k in ("eval_before", "eval_after"))
-    assert last == f"attnkit finetune: wrote {tmp_path / 'out'} (validation ppl {before:.2f} -> {after:.2f})"
+    rows, seq_len = saved["validation_text"]["rows"], saved["validation_text"]["seq_len"]
+    assert last == (f"attnkit finetune: wrote {tmp_path / 'out'} (validation ppl {before:.2f} -> {after:.2f}, "
+                    f"{rows} × {seq_len}-token rows of the data's validation split)")
     assert _absolute_in_reports(tmp_path / "out") == []
 
 

@@ -47,7 +47,7 @@ def test_trains_exports_and_resumes_exactly(tmp_path, corpus, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(export)
     tok = AutoTokenizer.from_pretrained(export)
     assert model.config.num_key_value_heads == 2 and len(tok) <= 300
-    assert "perplexity" in (export / "README.md").read_text()
+    assert "validation ppl" in (export / "README.md").read_text()
     log = [json.loads(line) for line in (tmp_path / "a" / "run" / "log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log] == list(range(1, 7)) and "val_loss" in log[2]
 

@@ -28,6 +28,7 @@ import torch
 from attnkit import __version__
 from attnkit.errors import AttnkitError
 from attnkit.sdpa import implementation_for
+from attnkit.evaluation import ppl as ppl_names
 from attnkit.evaluation import tasks as bundled
 from attnkit.io.resolve import check_causal_lm, resolve_model
 
@@ -338,18 +339,13 @@ def _measured_kv(model: dict) -> int:
     return (model.get("kv_cache_measured") or {}).get("bytes_per_token", model["kv_cache_bytes_per_token"])
 
 
-MAIN_METRICS = ["token_perplexity", "byte_perplexity", "bits_per_byte"]  # of the attnkit-ppl tasks
+MAIN_METRICS = ppl_names.MAIN_METRICS  # of the attnkit-ppl tasks
 
 
 def _rows(result: dict) -> list[tuple[str, str]]:
-    rows = []
-    for task, metrics in result["models"]["model"]["metrics"].items():
-        if task.startswith("attnkit-ppl"):
-            keep = MAIN_METRICS
-        else:
-            keep = ["acc", "acc_norm"] if task.startswith("attnkit-") else list(metrics)
-        rows += [(task, m) for m in keep if m in metrics and not m.endswith("_stderr")]
-    return rows
+    """(task, metric) rows of the printed table; the model card shows the same (ppl.shown_metrics)."""
+    return [(task, m) for task, metrics in result["models"]["model"]["metrics"].items()
+            for m in ppl_names.shown_metrics(task, metrics)]
 
 
 def _ratio(value: float | None) -> str:
@@ -417,7 +413,8 @@ def format_table(result: dict) -> str:
         return "  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
     table = [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, lines)]
-    return "\n".join([*table, NOTE, *([RETENTION_NOTE] if has_base else [])])
+    sentence = ppl_names.task_sentence(model["metrics"])
+    return "\n".join([*table, NOTE, *([RETENTION_NOTE] if has_base else []), *([sentence] if sentence else [])])
 
 
 def _cpu_ticks() -> tuple[int, int] | None:

@@ -24,6 +24,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_load
 
 from attnkit.errors import AttnkitError
+from attnkit.evaluation.ppl import HELD_OUT, VALIDATION, held_out, shown_metrics, task_sentence, validation_text
 from attnkit.io.resolve import BUNDLED
 
 CARD_FILE = "README.md"
@@ -244,12 +245,26 @@ def index_metrics(eval_results: dict | None, finetune: dict | None) -> dict[str,
     entries are not metrics."""
     model, _, _ = model_metrics(eval_results)
     if model and eval_limit(eval_results) is None:
-        return {task: without_stderr(values) for task, values in model.items()}
+        return {task: _shown_first(task, values) for task, values in model.items()}
     if finetune_eval_limit(finetune) is not None:
         return {}
     after = (finetune or {}).get("eval_after") or {}
     after = after.get("metrics", after) if isinstance(after, dict) else {}
-    return {task: without_stderr(values) for task, values in after.items() if task != "validation" and isinstance(values, dict)}
+    return {task: _shown_first(task, values) for task, values in after.items()
+            if task != "validation" and isinstance(values, dict)}
+
+
+def _shown_first(task: str, values: dict) -> dict[str, Any]:
+    """Every metric of `task` (model-index keeps them all), those `attnkit eval` prints first, in its order."""
+    values = without_stderr(values or {})
+    return {**_shown(task, values), **values}
+
+
+def _shown(task: str, values: dict) -> dict[str, Any]:
+    """The metrics of `task` that `attnkit eval` prints, in its order (token_perplexity first for the
+    attnkit-ppl tasks; lm-eval's word_perplexity stays in eval_results.json)."""
+    values = without_stderr(values or {})
+    return {m: values[m] for m in shown_metrics(task, values)}
 
 
 def eval_results_for_index(model: dict[str, dict[str, Any]]) -> list[EvalResult]:
@@ -351,7 +366,10 @@ def _conversion_section(convert: dict) -> str:
             parts += ["", f"The state is {bounded_state_note(convert['titans'])}."]
     ppl = convert.get("ppl") or {}
     if ppl.get("before") is not None and ppl.get("after") is not None:
-        parts += ["", f"Held-out perplexity: {_fmt(ppl['before'])} before → {_fmt(ppl['after'])} after conversion."]
+        calibration = scrub({**({"held_out_from": f"{ppl['split']} split"} if ppl.get("split") else {}),
+                             **(convert.get("calibration") or {})})
+        parts += ["", f"{held_out(calibration)}: {_fmt(ppl['before'])} before → {_fmt(ppl['after'])} after conversion "
+                      f"(convert's own measure; `attnkit eval`'s attnkit-ppl is another text in other windows)."]
     settings = scrub(convert.get("settings") or {})
     if settings:
         parts += ["", "Settings:", "", _table(["setting", "value"], [[k, v] for k, v in sorted(settings.items())])]
@@ -359,7 +377,7 @@ def _conversion_section(convert: dict) -> str:
     if steps:
         cols = ["exact", "attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
         rows = [[s.get("name", "?")] + [s.get(c) for c in cols] for s in steps if isinstance(s, dict)]
-        parts += ["", "Measured error of each step:", "", _table(["step"] + cols, rows)]
+        parts += ["", "Measured error of each step:", "", _table(["step"] + cols[:-1] + [HELD_OUT], rows)]
     extras = {k: v for k, v in convert.items() if k not in _COMMON_CONVERT_KEYS}
     if extras:
         parts += ["", _details("Method-specific details (attnkit_report.json)", scrub(extras))]
@@ -377,8 +395,13 @@ def _flat_metrics(block: Any) -> dict[str, Any]:
     metrics = block.get("metrics", block) if isinstance(block, dict) else {}
     flat: dict[str, Any] = {}
     for task, values in metrics.items():
-        if isinstance(values, dict):
-            flat.update({f"{task}/{m}": _with_stderr(v, values.get(f"{m}_stderr")) for m, v in without_stderr(values).items()
+        if task == "validation" and isinstance(values, dict):  # the trainer's own measure, under its name
+            names = {"token_perplexity": VALIDATION, "loss": "validation loss"}
+            ordered = sorted(values.items(), key=lambda kv: kv[0] != "token_perplexity")  # the figure first
+            flat.update({names.get(m, f"validation/{m}"): v for m, v in ordered
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        elif isinstance(values, dict):
+            flat.update({f"{task}/{m}": _with_stderr(v, values.get(f"{m}_stderr")) for m, v in _shown(task, values).items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)})
         elif isinstance(values, (int, float)) and not isinstance(values, bool):
             flat[str(task)] = values
@@ -409,8 +432,12 @@ def _finetune_section(finetune: dict) -> str:
     if before or after:
         keys = list(dict.fromkeys([*before, *after]))
         parts += ["", "Measured before and after healing:", "", _table(["metric", "before", "after"], [[k, before.get(k), after.get(k)] for k in keys])]
+        text = finetune.get("validation_text") or {}
+        notes = [f"{VALIDATION}: on {validation_text(text.get('rows'), text.get('seq_len'))}."] if VALIDATION in keys else []
+        sentence = task_sentence(k.split("/")[0] for k in keys if "/" in k)
+        parts += ["", " ".join(notes + ([sentence] if sentence else []))] if notes or sentence else []
         limit = finetune_eval_limit(finetune)
-        if limit is not None and any(not k.startswith("validation/") for k in keys):
+        if limit is not None and any(not k.startswith("validation") for k in keys):
             parts += ["", f"The task metrics above are **partial (eval.limit {limit})**: at most {limit} documents per task, "
                           "so they are indicative only and are not in this card's `model-index`."]
     if isinstance(recipe, dict) and recipe:
@@ -423,7 +450,7 @@ def _eval_section(eval_results: dict) -> str:
     rows = []
     for task, metrics in model.items():
         base = baseline.get(task) or {}
-        for metric, value in without_stderr(metrics).items():
+        for metric, value in _shown(task, metrics).items():
             rows.append([task, metric, _with_stderr(value, metrics.get(f"{metric}_stderr")),
                          _with_stderr(base.get(metric), base.get(f"{metric}_stderr")), (retention.get(task) or {}).get(metric)])
     base_model = (eval_results.get("models") or {}).get("baseline") or {}
@@ -437,7 +464,8 @@ def _eval_section(eval_results: dict) -> str:
                   "indicative only and are not in this card's `model-index`.")
     else:
         intro += ":"
-    return "\n".join(["## Evaluation", "", intro, "", _table(header, rows)])
+    sentence = task_sentence(model)
+    return "\n".join(["## Evaluation", "", intro, "", _table(header, rows), *(["", sentence] if sentence else [])])
 
 
 def _usage_section(remote_code: bool, reports: dict[str, dict | None], repo: str) -> str:

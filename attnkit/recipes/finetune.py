@@ -31,6 +31,7 @@ import torch
 from attnkit import __version__
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
+from attnkit.evaluation.ppl import VALIDATION, validation_text
 from attnkit.io.checkpoint import check_output_dir, weights_fingerprint
 from attnkit.io.public import local_folder
 from attnkit.io.resolve import BUNDLED, check_causal_lm, resolve_model
@@ -98,7 +99,9 @@ def finished_line(out, report: dict) -> str:
         value = ((result or {}).get("validation") or {}).get("token_perplexity")
         return "?" if value is None else f"{value:.2f}"
 
-    return f"attnkit finetune: wrote {out} (validation ppl {ppl(report.get('eval_before'))} -> {ppl(report.get('eval_after'))})"
+    text = report.get("validation_text") or {}
+    return (f"attnkit finetune: wrote {out} ({VALIDATION} {ppl(report.get('eval_before'))} -> "
+            f"{ppl(report.get('eval_after'))}, {validation_text(text.get('rows'), text.get('seq_len'))})")
 
 
 def _making_command(spec: str, config_path: str | None) -> str | None:
@@ -378,6 +381,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         "eval_curve": trainer_state["eval_curve"],
         "eval_before": trainer_state["eval_before"],
         "eval_after": eval_after,
+        "validation_text": {"rows": int(len(val_rows)), "seq_len": recipe.data.seq_len},  # what validation ppl is on
         "eval_teacher": trainer_state.get("eval_teacher"),
         "trainable": f"{recipe.train.trainable}: {trainable_desc}",
         "load": {"trust_remote_code": trust},

@@ -328,8 +328,8 @@ attnkit can measure the quality a conversion keeps without downloading anything.
   in {recipe.train.long_seq_len}-token windows), AdamW lr {recipe.train.lr:g} cosine, on {s['device']},
   {s['seconds'] / 60:.0f} minutes.
 * Validation (whole validation split, {s['validation_tokens']:,} tokens, {recipe.train.seq_len}-token windows):
-  loss {s['validation_loss']}, perplexity **{s['validation_perplexity']}**; in
-  {recipe.train.long_seq_len}-token windows: perplexity {s[f"validation_perplexity_{recipe.train.long_seq_len}"]}.
+  loss {s['validation_loss']}, validation ppl **{s['validation_perplexity']}**; in
+  {recipe.train.long_seq_len}-token windows: validation ppl {s[f"validation_perplexity_{recipe.train.long_seq_len}"]}.
 """
 
 

@@ -7,6 +7,7 @@ from attnkit import __version__
 from attnkit.converters.common import source_info
 from attnkit.converters.mla.report import format_steps, kv_bytes
 from attnkit.evaluation.kv import short_dtype
+from attnkit.evaluation.ppl import held_out
 
 STEP_INFO = {
     "align": "per KV head: a rotation (and scale) per RoPE frequency pair folded into the queries, an orthogonal "
@@ -55,5 +56,5 @@ def format_report(report: dict) -> str:
     lines = format_steps(report)
     t = report["target"]
     lines.append(f"KV heads: {t['num_key_value_heads_before']} -> {t['num_key_value_heads']} (merge: {t['merge']})")
-    lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}")
+    lines.append(f"{held_out(report.get('calibration'))}: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}")
     return "\n".join(lines)

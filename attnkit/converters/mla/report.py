@@ -6,6 +6,7 @@ from attnkit import __version__
 from attnkit.converters.common import source_info
 from attnkit.converters.mla.engines import engine_support
 from attnkit.evaluation.kv import kv_change, short_dtype
+from attnkit.evaluation.ppl import HELD_OUT, held_out
 
 STEP_INFO = {
     "exact": "GQA as MLA: latent = raw K and V of all heads, RoPE on every key component",
@@ -99,7 +100,8 @@ def _needs(s) -> str:
 def format_steps(report: dict) -> list[str]:
     """The per-step table and the KV line (shared by every streaming converter's printout)."""
     cols = ["attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
-    head = f"{'step':<10}{'exact':<7}" + "".join(f"{c.replace('_rel_err', ''):>14}" for c in cols)
+    names = {"ppl": HELD_OUT}
+    head = f"{'step':<10}{'exact':<7}" + "".join(f"{names.get(c, c.replace('_rel_err', '')):>14}" for c in cols)
     lines = [head, "-" * len(head)]
     for st in report["steps"]:
         lines.append(f"{st['name']:<10}{str(st['exact']):<7}" + "".join(f"{st[c]:>14.3e}" for c in cols))
@@ -109,13 +111,13 @@ def format_steps(report: dict) -> list[str]:
 
 def format_report(report: dict) -> str:
     lines = format_steps(report)
-    lines.append(f"perplexity: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
+    lines.append(f"{held_out(report.get('calibration'))}: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
                  f"(RoPE frequencies: {report['load']['rope_frequencies']})")
     if report["settings"].get("report") == "final":
         lines.append("--report final: the intermediate steps were not measured (--report steps measures each)")
     if report.get("qk_norm_fold"):
         f = report["qk_norm_fold"]
-        lines.append(f"QK-norm fold (lossy, step exact): ppl {report['ppl']['before']:.4f} -> {f['ppl']:.4f}, KL {f['kl']:.4f}")
+        lines.append(f"QK-norm fold (lossy, step exact): {HELD_OUT} {report['ppl']['before']:.4f} -> {f['ppl']:.4f}, KL {f['kl']:.4f}")
     if report.get("sliding_window"):
         w = report["sliding_window"]
         lines.append(f"sliding-window layers ({len(w['layers'])} of {len(report['layers'])}) kept as windows of "
