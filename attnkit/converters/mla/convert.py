@@ -37,7 +37,8 @@ from attnkit.converters.mla.native import (Target, constant_for, native_attentio
                                            written_attention)
 from attnkit.converters.mla.qknorm import attnkit_tensors, format_note, write_code
 from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, refit_params, rope_damping
-from attnkit.converters.mla.report import build_report, format_report
+from attnkit.converters.mla.report import build_report, format_report, params_why
+from attnkit.converters.params import parameter_report
 from attnkit.converters.mla.settings import Settings, resolve_settings
 from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, has_q_bias,
                                            layer_norms, layer_rope, layer_tensors, layer_type, layer_view, layer_window,
@@ -95,6 +96,7 @@ def convert(args: argparse.Namespace) -> int:
             report["kv_budget"] = p.budget
         report["calibration"].update(held_out_from=p.held_note, calib_rows=int(p.calib.shape[0]),
                                      held_out_rows=int(p.held_out.shape[0]))
+        report["params"] = parameter_report(src.ckpt.shapes(), LazyCheckpoint(tmp).shapes(), params_why(report, src.shape))
         report["wall_time_s"] = round(time.time() - started, 2)
         for name in COPY_FILES:
             if (src.path / name).is_file():

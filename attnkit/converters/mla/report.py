@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from attnkit import __version__
 from attnkit.converters.common import source_info
+from attnkit.converters.params import format_params
 from attnkit.converters.mla.engines import engine_support
 from attnkit.evaluation.kv import kv_change, short_dtype
 from attnkit.evaluation.ppl import HELD_OUT, held_out
@@ -97,6 +98,27 @@ def _needs(s) -> str:
     return "transformers >= 5 only (attention biases)"
 
 
+def params_why(report: dict, shape) -> dict[str, tuple[str, str]]:
+    """Why each part of the MLA output has the parameters it has (converters.params): the KV cache
+    shrinks while the weights grow, and the report says by how much and why."""
+    t = report["target"]
+    d, d_r, r, v = shape.d, t["qk_rope_head_dim"], t["kv_lora_rank"], t.get("v_head_dim") or shape.d
+    queries = f"each head's query gains the {d_r} decoupled RoPE dims ({d} -> {d + d_r})"
+    short_q = f"query {d} -> {d + d_r} dims per head"
+    if t.get("q_lora_rank"):
+        queries += f", through a query latent of rank {t['q_lora_rank']} (q_a_proj + q_b_proj)"
+        short_q += f", q latent of rank {t['q_lora_rank']}"
+    return {
+        "LM head": ("untied for the engines", "written untied, as DeepSeek-V3 engines read it (vLLM does not tie "
+                    "it); the source ties it to its embeddings"),
+        "queries": (short_q, queries),
+        "keys and values": (f"kv_a_proj + kv_b_proj to {shape.H} heads",
+                            f"k_proj + v_proj ({shape.G} KV heads) become kv_a_proj (to the {r} + {d_r} cached values) "
+                            f"and kv_b_proj (latent to all {shape.H} heads' keys and values, {d} + {v} each)"),
+        "attention output": ("o_proj bias", "o_proj gains a bias (the transformers form's constant latent channel)"),
+    }
+
+
 def format_steps(report: dict) -> list[str]:
     """The per-step table and the KV line (shared by every streaming converter's printout)."""
     cols = ["attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
@@ -113,6 +135,8 @@ def format_report(report: dict) -> str:
     lines = format_steps(report)
     lines.append(f"{held_out(report.get('calibration'))}: {report['ppl']['before']:.4f} -> {report['ppl']['after']:.4f}  "
                  f"(RoPE frequencies: {report['load']['rope_frequencies']})")
+    if report.get("params"):
+        lines += format_params(report["params"])
     if report["settings"].get("report") == "final":
         lines.append("--report final: the intermediate steps were not measured (--report steps measures each)")
     if report.get("qk_norm_fold"):
