@@ -131,7 +131,7 @@ def train(model, params, lr: float, rows: torch.Tensor, batch: int) -> list[list
 @torch.no_grad()
 def held_out(model, rows: torch.Tensor, heads: list[list[int]]) -> dict:
     """Perplexity, entropy of the DEX-selected heads, largest activation magnitudes."""
-    from attnkit.converters.retrofit import calibrate
+    from attnkit.converters.calibration import calibrate
 
     nll, count, hidden_max, attn_max = 0.0, 0, 0.0, 0.0
     hooks = [m.register_forward_pre_hook(lambda _m, inp: _track(inp[0], store)) for n, m in model.named_modules()

@@ -187,30 +187,37 @@ def _retrofit_class(base: type) -> type:
 
 
 def install_retrofit(model: nn.Module, config, family_name: str) -> None:
-    """Give every attention module of `model` the DEX/DIFF modules that `config.attnkit` asks for."""
+    """Give every attention module of `model` the DEX/DIFF/Titans modules that `config.attnkit` asks for."""
+    family = FAMILIES[family_name]
+    attentions = [m for m in model.modules() if isinstance(m, family.attention_class)]
+    if len(attentions) != config.num_hidden_layers:
+        raise ValueError(f"found {len(attentions)} {family.attention_class.__name__} modules, expected {config.num_hidden_layers}")
+    for attn in attentions:
+        install_attention(attn, config, family_name)
+
+
+def install_attention(attn: nn.Module, config, family_name: str) -> None:
+    """Turn one source attention module (layer `attn.layer_idx`) into the retrofitted one, in place: its
+    own weights untouched, the method's modules added in their conversion state (exact: ramp 0)."""
     family = FAMILIES[family_name]
     spec = config.attnkit
     method = spec["method"]
     heads, head_dim = family.head_dims(config)
     anneal = float(spec.get("anneal_fraction", 0.25))
-    attentions = [m for m in model.modules() if isinstance(m, family.attention_class)]
-    if len(attentions) != config.num_hidden_layers:
-        raise ValueError(f"found {len(attentions)} {family.attention_class.__name__} modules, expected {config.num_hidden_layers}")
-    for attn in attentions:
-        layer = attn.layer_idx
-        attn.__class__ = _retrofit_class(type(attn))
-        attn.attnkit_family = family_name
-        if method in ("dex", "mla+dex"):
-            attn.dex = DexHeadMix(heads, head_dim, spec["selected_heads"][layer], layer, anneal)
-        elif method == "titans":
-            attn.titans = TitansMemory(config.hidden_size, heads, head_dim, spec["memory_dim"], spec["memory_depth"],
-                                       spec["window"], spec["chunk"], layer, anneal)
-        elif method == "diff":
-            attn.diff_q_proj = nn.Linear(config.hidden_size, heads * family.query_dim(config), bias=False)
-            nn.init.zeros_(attn.diff_q_proj.weight)  # A2 starts as the uniform causal average
-            attn.diff = DiffCombine(heads, head_dim, layer, anneal)
-        else:
-            raise ValueError(f"unknown attnkit method {method!r}")
+    layer = attn.layer_idx
+    attn.__class__ = _retrofit_class(type(attn))
+    attn.attnkit_family = family_name
+    if method in ("dex", "mla+dex"):
+        attn.dex = DexHeadMix(heads, head_dim, spec["selected_heads"][layer], layer, anneal)
+    elif method == "titans":
+        attn.titans = TitansMemory(config.hidden_size, heads, head_dim, spec["memory_dim"], spec["memory_depth"],
+                                   spec["window"], spec["chunk"], layer, anneal)
+    elif method == "diff":
+        attn.diff_q_proj = nn.Linear(config.hidden_size, heads * family.query_dim(config), bias=False)
+        nn.init.zeros_(attn.diff_q_proj.weight)  # A2 starts as the uniform causal average
+        attn.diff = DiffCombine(heads, head_dim, layer, anneal)
+    else:
+        raise ValueError(f"unknown attnkit method {method!r}")
 
 
 # ---------------------------------------------------------------- config and model classes

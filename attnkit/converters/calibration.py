@@ -12,6 +12,9 @@ the peak is one [B, H, rows, S] block whatever T is, and nothing outlives its bl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from tqdm.auto import tqdm
 
@@ -20,6 +23,7 @@ from attnkit.converters.diff.layer import head_rms
 from attnkit.errors import AttnkitError
 
 ATTENTION = "attnkit_calibration"
+TOKENS_PER_BATCH = 4096  # calibration tokens pushed through a layer at once
 BLOCK_BYTES = 16 * 2**20  # one block of fp32 scores [B, H, rows, S]; the entropy's fp64 temporaries are ~3x
 
 
@@ -67,47 +71,74 @@ class EntropyStats:
         return torch.stack([s / c for s, c in zip(self.sums, self.counts)]).float()  # [L, H]
 
 
-@torch.no_grad()  # statistics only: a graph would keep every block and activation of the batch alive
-def calibrate(model, rows: torch.Tensor, device: torch.device, tokens_per_batch: int = 4096) -> dict:
-    """Per layer and head: mean normalised attention entropy and mean RMS of the head output, from
-    `rows` [N, T] of calibration tokens run through `model` in batches of ~`tokens_per_batch`."""
+class CalibrationStats:
+    """Both statistics of every layer: the entropy (from the calibration attention function) and the
+    RMS of each head's output (from a pre-hook on `o_proj`, whose input is the heads' outputs)."""
+
+    def __init__(self, layers: int, heads: int):
+        self.entropy = EntropyStats(layers)
+        self.heads = heads
+        self.rms_sum: list[torch.Tensor | float] = [0.0] * layers
+        self.rms_count = [0] * layers
+
+    def hook(self, attn: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+        layer = attn.layer_idx
+
+        def on_o_proj(_module, inputs):
+            x = inputs[0]
+            s, n = head_rms(x.view(*x.shape[:-1], self.heads, -1))  # [B, T, H·d_v] -> [B, T, H, d_v]
+            self.rms_sum[layer] = self.rms_sum[layer] + s
+            self.rms_count[layer] += n
+
+        return attn.o_proj.register_forward_pre_hook(on_o_proj)
+
+    def result(self) -> dict:
+        if any(c == 0 for c in self.rms_count):
+            raise AttnkitError("calibration saw no attention output in some layer")
+        rms = torch.stack([s / c for s, c in zip(self.rms_sum, self.rms_count)]).float()  # [L, H]
+        return {"entropy": self.entropy.means(), "head_rms": rms}
+
+
+@contextmanager
+def calibration_attention(stats: CalibrationStats, config, modules: list[torch.nn.Module]) -> Iterator[None]:
+    """While open, attention modules reading `config` run the calibration attention function and
+    `modules` (attention modules with an `o_proj`) feed their head outputs to `stats`."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
-    entropy = EntropyStats(layers)
-    rms_sum: list = [0.0] * layers
-    rms_count = [0] * layers
-
-    def on_o_proj(layer_idx: int):
-        def hook(_module, inputs):
-            x = inputs[0]
-            s, n = head_rms(x.view(*x.shape[:-1], heads, -1))  # [B, T, H·d_v] -> [B, T, H, d_v]
-            rms_sum[layer_idx] = rms_sum[layer_idx] + s
-            rms_count[layer_idx] += n
-
-        return hook
-
-    AttentionInterface.register(ATTENTION, entropy.attention)
+    AttentionInterface.register(ATTENTION, stats.entropy.attention)
     AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    previous = model.config._attn_implementation
-    attns = [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
-    hooks = [a.o_proj.register_forward_pre_hook(on_o_proj(a.layer_idx)) for a in attns]
-    model.set_attn_implementation(ATTENTION)
+    previous = config._attn_implementation
+    hooks = [stats.hook(a) for a in modules]
+    config._attn_implementation = ATTENTION
     try:
-        for batch in tqdm(batches(rows, tokens_per_batch), desc="calibration", unit="batch", leave=False):
-            model(input_ids=batch.to(device), use_cache=False)
+        yield
     finally:
-        model.set_attn_implementation(previous)
+        config._attn_implementation = previous
         for h in hooks:
             h.remove()
-    if any(c == 0 for c in rms_count):
-        raise AttnkitError("calibration saw no attention output in some layer")
-    rms = torch.stack([rms_sum[i] / rms_count[i] for i in range(layers)]).float()  # [L, H]
-    return {"entropy": entropy.means(), "head_rms": rms}
 
 
-def batches(rows: torch.Tensor, tokens_per_batch: int = 4096) -> list[torch.Tensor]:
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")]
+
+
+@torch.no_grad()  # statistics only: a graph would keep every block and activation of the batch alive
+def calibrate(model, rows: torch.Tensor, device: torch.device, tokens_per_batch: int = TOKENS_PER_BATCH) -> dict:
+    """Per layer and head: mean normalised attention entropy and mean RMS of the head output, from
+    `rows` [N, T] of calibration tokens run through the whole `model` in batches of ~`tokens_per_batch`
+    (the conversions stream one layer at a time instead: `converters/retrofit_stream.py`)."""
+    stats = CalibrationStats(model.config.num_hidden_layers, model.config.num_attention_heads)
+    with calibration_attention(stats, model.config, attention_modules(model)):
+        for batch in tqdm(batches(rows, tokens_per_batch), desc="calibration", unit="batch", leave=False):
+            model(input_ids=batch.to(device), use_cache=False)
+    return stats.result()
+
+
+def rows_per_batch(seq_len: int, tokens_per_batch: int = TOKENS_PER_BATCH) -> int:
+    return max(1, tokens_per_batch // seq_len)
+
+
+def batches(rows: torch.Tensor, tokens_per_batch: int = TOKENS_PER_BATCH) -> list[torch.Tensor]:
     """Split [N, T] rows into batches of about `tokens_per_batch` tokens."""
-    size = max(1, tokens_per_batch // rows.shape[1])
-    return list(rows.split(size))
+    return list(rows.split(rows_per_batch(rows.shape[1], tokens_per_batch)))

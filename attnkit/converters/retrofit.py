@@ -1,66 +1,75 @@
-"""The in-place retrofit shared by `attnkit convert --to dex | diff | mla+dex` (their entry points:
-`converters/dex/convert.py`, `converters/diff/convert.py`).
+"""The in-place retrofit shared by `attnkit convert --to dex | diff | titans | mla+dex | mla+titans`
+(their entry points: `converters/<method>/convert.py`, each a `RetrofitMethod`).
 
-Load the source in fp32, run calibration text through it once (attention entropy per head, RMS of
-each head's output), rewrite the model in place (new config class + DEX/DIFF modules, source
-weights untouched), check that the logits did not move, and save OUT atomically with the
-modeling code (`auto_map`), the tokenizer, `attnkit_report.json` and a model card.
+Calibration text through the source (attention entropy per head, RMS of each head's output), the
+method's modules added to every layer (new config class, source weights untouched), the logits
+checked unchanged on held-out rows, and OUT saved atomically with the modeling code (`auto_map`),
+the tokenizer, `attnkit_report.json` and a model card. All of it streamed a layer at a time
+(`retrofit_stream.py`): memory is one layer plus a few rows of hidden states, whatever the depth.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from attnkit import __version__
 from attnkit.converters.common import DTYPES, calibration_tokens, check_device, source_dtype, source_info
-from attnkit.converters.calibration import batches, calibrate
-from attnkit.converters.shapes import check_weights
+from attnkit.converters.mla.source import Source, open_source
+from attnkit.converters.retrofit_stream import (InitLayerFn, calibration_pass, held_out_metrics, open_streams,
+                                                per_layer_measure, retrofit_config, rewrite_pass, streamed_ppl,
+                                                write_config, write_outside_layers)
 from attnkit.errors import AttnkitError
 from attnkit.evaluation.kv import kv_as_stored, kv_cache_bytes_per_token, kv_change, short_dtype
-from attnkit.io.checkpoint import LazyCheckpoint, atomic_output_dir, check_output_dir
+from attnkit.io.checkpoint import ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
-from attnkit.io.resolve import check_causal_lm, resolve_model
-from attnkit.sdpa import fused_kwargs
+from attnkit.io.resolve import resolve_model
 
 ANNEAL_FRACTION = 0.25  # λ (and DIFF's norm) ramp in over the first quarter of the fine-tune
 EVAL_ROWS = 4
 
 # (args, calibration stats, model_type, layers) -> (config.attnkit fields, report extras)
 FieldsFn = Callable[[argparse.Namespace, dict, str, int], tuple[dict, dict]]
-# (model after install, calibration stats) -> report extras
-InitFn = Callable[[torch.nn.Module, dict], dict]
+# (the output's config, its model class) -> report extras measured on the written form (Titans' state)
+ExtrasFn = Callable[[object, type], dict]
+
+
+@dataclass(frozen=True)
+class RetrofitMethod:
+    """What a retrofit adds to the shared driver: its config fields (from the calibration statistics),
+    how each layer's new weights start, and what its report adds."""
+
+    name: str
+    fields: FieldsFn
+    init_layer: InitLayerFn | None = None
+    extras: ExtrasFn | None = None
 
 
 # ---------------------------------------------------------------- the shared driver
 
 
-def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: InitFn | None = None,
-             source_path: Path | None = None, prior: dict | None = None, original_path: Path | None = None) -> int:
-    """Rewrite the source in place with `method`'s modules (config fields from `fields_for`, new
-    weights set by `init`), check the logits, save OUT atomically. `prior`: the MLA report when
-    the source is an MLA conversion of the user's model (`--to mla+dex`), `original_path` that
-    model: the report's "before" (perplexity, KV cache) is the user's model, not the intermediate one."""
+def retrofit(args: argparse.Namespace, method: RetrofitMethod, source_path: Path | None = None,
+             prior: dict | None = None, original_path: Path | None = None) -> int:
+    """Rewrite the source with `method`'s modules, check the logits, save OUT atomically. `prior`: the
+    MLA report when the source is an MLA conversion of the user's model (`--to mla+dex`),
+    `original_path` that model: the report's "before" (perplexity, KV cache) is the user's model,
+    not the intermediate one."""
     from transformers import AutoTokenizer
 
-    from attnkit.adapters.modeling_attnkit import CLASSES, install_retrofit
+    from attnkit.adapters.modeling_attnkit import CLASSES
 
+    started = time.time()
     path = source_path or resolve_model(args.model)
     check_output_dir(args.out, args.force, (path,))
-    config = check_causal_lm(path)
-    model_type = config.get("model_type", "")
-    if model_type.startswith("attnkit_"):
-        raise AttnkitError(f"{args.model} is already an attnkit {config.get('attnkit', {}).get('method')} model; convert its source")
-    if model_type not in CLASSES:
-        raise AttnkitError(
-            f"attention of model_type {model_type!r} is not recognised for {method.upper()} "
-            f"(supported: {', '.join(sorted(CLASSES))})"
-        )
-    check_weights(path, config)  # every tensor's shape against the config, from the headers
+    src = open_source(str(path), check=_family_check(method.name, args.model))
+    model_type = src.config["model_type"]
     device = check_device(args.device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -69,43 +78,84 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
     calib, evaluation, held_note = calibration_tokens(tokenizer, args.calib, args.calib_seq_len, args.calib_tokens,
                                                       EVAL_ROWS * args.calib_seq_len, args.seed)
     evaluation = evaluation[:EVAL_ROWS]
-    eval_split = "validation" if held_note == "validation split" else "train"
-    ppl_original = None if original_path is None else source_ppl(original_path, evaluation, device)
-
-    model = load_fp32(path, device)
-    src_dtype = source_dtype(LazyCheckpoint(path))
-    stats = calibrate(model, calib, device)
-    kv_before = _kv_bytes(model)
-    logits_before = _logits(model, evaluation, device)
-
-    # rewrite in place: same parameters, new config class + modules
+    out_dtype = DTYPES[args.dtype] if args.dtype else source_dtype(src.ckpt)
     config_class, model_class = CLASSES[model_type]
-    fields, extras = fields_for(args, stats, model_type, model.config.num_hidden_layers)
-    model.config.__class__ = config_class
-    model.config.attnkit = fields
-    model.__class__ = model_class
-    install_retrofit(model, model.config, model_type)
-    if init is not None:
-        extras.update(init(model, stats))
-    model.to(device).eval()
-    kv_after = _kv_bytes(model)
-    logits_after = _logits(model, evaluation, device)
-    step = {"name": f"insert {method} modules (ramp 0)", **_compare(logits_before, logits_after, evaluation)}
-    step["exact"] = step["logits_rel_err_max"] == 0.0
-    ppl_before = step.pop("ppl_before") if ppl_original is None else ppl_original
+    with atomic_output_dir(args.out, args.force, (path,)) as tmp:
+        scratch = tmp / ".scratch"
+        scratch.mkdir()
+        try:
+            ppl_original = None if original_path is None else streamed_ppl(open_source(str(original_path)), evaluation,
+                                                                              scratch, device)
+            config, stats, step = _stream(args, method, src, calib, evaluation, out_dtype, config_class, model_class,
+                                          tmp, scratch, device)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        kv_before, kv_after = (_kv_bytes(c, m) for c, m in ((src.hf_config, src.family.causal_lm_class()),
+                                                             (config, model_class)))
+        extras = {**step.pop("extras"), **(method.extras(config, model_class) if method.extras else {})}
+        report = _report(args, method.name, src, stats, step, (kv_before, kv_after), out_dtype, config.attnkit,
+                         ppl_original, held_note, calib, extras, prior)
+        report["wall_time_s"] = round(time.time() - started, 2)
+        write_config(src, config, model_class, out_dtype, tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
+        write_model_card(tmp)
+    print(_summary(report, args.out))
+    return 0
 
-    out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
-    # measured on the fp32 model; counted in out_dtype, the dtype the output is stored (and served) in
-    kv_before, kv_after = (kv_as_stored(b, torch.float32, out_dtype)["bytes_per_token"] for b in (kv_before, kv_after))
+
+def _stream(args: argparse.Namespace, method: RetrofitMethod, src: Source, calib: torch.Tensor, evaluation: torch.Tensor,
+            out_dtype: torch.dtype, config_class: type, model_class: type, tmp: Path, scratch: Path, device) -> tuple:
+    """The two passes (`retrofit_stream.py`): statistics, then the rewritten layers written to `tmp`;
+    returns (the output's config, the statistics, the exactness step with the fields' report extras)."""
+    calib_rows, before = open_streams(src, calib, evaluation, scratch)
+    after = before.copy(scratch / "after.f32")
+    stats = calibration_pass(src, calib_rows, before, device)
+    calib_rows.close()
+    fields, extras = method.fields(args, stats, src.config["model_type"], src.config["num_hidden_layers"])
+    config = retrofit_config(src, config_class, fields)
+    writer = ShardedWriter(tmp)
+    rewrite_pass(src, config, src.config["model_type"], method.init_layer, stats, after, writer, out_dtype, device)
+    write_outside_layers(src, tmp, writer, out_dtype)
+    metrics = held_out_metrics(src, before, after, evaluation, device)
+    step = {"name": f"insert {method.name} modules (ramp 0)", **metrics, "extras": extras}
+    step["exact"] = step["logits_rel_err_max"] == 0.0
+    return config, stats, step
+
+
+def _family_check(method: str, model: str):
+    """open_source's check: a family whose attention the runtime retrofit knows (not an attnkit output)."""
+    from attnkit.adapters.families import FAMILIES
+    from attnkit.adapters.modeling_attnkit import CLASSES
+
+    def check(config: dict):
+        model_type = config.get("model_type", "")
+        if model_type.startswith("attnkit_"):
+            raise AttnkitError(f"{model} is already an attnkit {config.get('attnkit', {}).get('method')} model; convert its source")
+        if model_type not in CLASSES:
+            raise AttnkitError(f"attention of model_type {model_type!r} is not recognised for {method.upper()} "
+                               f"(supported: {', '.join(sorted(CLASSES))})")
+        return FAMILIES[model_type]
+
+    return check
+
+
+def _report(args: argparse.Namespace, method: str, src: Source, stats: dict, step: dict, kv: tuple[int, int],
+            out_dtype: torch.dtype, fields: dict, ppl_original: float | None, held_note: str, calib: torch.Tensor,
+            extras: dict, prior: dict | None) -> dict:
+    # measured in fp32; counted in out_dtype, the dtype the output is stored (and served) in
+    kv_before, kv_after = (kv_as_stored(b, torch.float32, out_dtype)["bytes_per_token"] for b in kv)
+    ppl_before = step.pop("ppl_before") if ppl_original is None else ppl_original
     report = {
         "attnkit_version": __version__,
         "method": method,
-        "source": source_info(path, model_type, args.model),
+        "source": source_info(src.path, src.config["model_type"], args.model),
         "settings": _settings(args),
         "kv_cache_bytes_per_token": {"before": kv_before, "after": kv_after, "dtype": short_dtype(out_dtype)},
         "kv_cache_effect": "unchanged: Q, K, V and the cache are the source's",
         "steps": [*(prior or {}).get("steps", []), step],
-        "ppl": {"before": ppl_before, "after": step["ppl"], "split": eval_split},
+        "ppl": {"before": ppl_before, "after": step["ppl"],
+                "split": "validation" if held_note == "validation split" else "train"},
         "load": {**(prior or {}).get("load", {}), "trust_remote_code": True},
         "calibration": {"rows": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "source": args.calib},
         "anneal_fraction": ANNEAL_FRACTION,
@@ -115,20 +165,10 @@ def retrofit(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: 
     }
     if prior is not None:
         report.update(_against_original(report, prior, args.model, kv_before))
-    with atomic_output_dir(args.out, args.force, (path,)) as tmp:
-        model.to("cpu", out_dtype).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
-        write_model_card(tmp)
-    print(_summary(report, args.out))
-    return 0
+    return report
 
 
-# ---------------------------------------------------------------- calibration and measurement
-
-
-@torch.no_grad()
-def retrofit_after_mla(args: argparse.Namespace, method: str, fields_for: FieldsFn, init: InitFn | None = None,
+def retrofit_after_mla(args: argparse.Namespace, method: RetrofitMethod,
                        convert_mla: Callable[[argparse.Namespace], int] | None = None) -> int:
     """`--to mla+<method>`: MLA first (`convert_mla`, default the MLA driver, into a scratch folder
     beside OUT that a killed run's successor removes), then the retrofit on its DeepSeek-V3 output;
@@ -148,56 +188,13 @@ def retrofit_after_mla(args: argparse.Namespace, method: str, fields_for: Fields
         mla_args.to, mla_args.out, mla_args.force = "mla", str(mla_out), False
         convert_mla(mla_args)
         prior = json.loads((mla_out / "attnkit_report.json").read_text())
-        return retrofit(args, method, fields_for, init, source_path=mla_out, prior=prior, original_path=original)
+        return retrofit(args, method, source_path=mla_out, prior=prior, original_path=original)
 
 
-@torch.no_grad()  # a comparison: no graph (it held every layer's activations and warned)
-def _logits(model, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.cat([model(input_ids=b.to(device), use_cache=False).logits.float().cpu() for b in batches(rows)])
-
-
-def _compare(before: torch.Tensor, after: torch.Tensor, ids: torch.Tensor) -> dict:
-    """Relative logits error per token, KL(source ‖ converted), perplexities; logits [N, T, V]."""
-    rel = (after - before).norm(dim=-1) / before.norm(dim=-1).clamp_min(1e-12)  # [N, T]
-    logp, logq = before.log_softmax(-1), after.log_softmax(-1)
-    kl = (logp.exp() * (logp - logq)).sum(-1).mean()
-    return {
-        "logits_rel_err_mean": float(rel.mean()),
-        "logits_rel_err_max": float(rel.max()),
-        "kl": float(kl),
-        "ppl_before": _ppl(before, ids),
-        "ppl": _ppl(after, ids),
-    }
-
-
-def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    return float(torch.exp(nll))
-
-
-def _kv_bytes(model) -> int:
-    return int(kv_cache_bytes_per_token(model)["total"])
-
-
-def load_fp32(path: Path, device: torch.device):
-    """The model in `path` in fp32 with SDPA attention (fused, V zero-padded for MLA's head sizes): no
-    pass after calibration needs the attention probabilities, and eager's [B, H, T, T] scores at a
-    long measurement context (Titans' state at 4 windows) would not fit."""
-    from transformers import AutoModelForCausalLM
-
-    implementation = fused_kwargs(path).get("attn_implementation", "sdpa")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=implementation).to(device).eval()
-
-
-@torch.no_grad()
-def source_ppl(path: Path, rows: torch.Tensor, device: torch.device) -> float:
-    """Perplexity of the model in `path` on `rows` (fp32, freed afterwards): the "before" of a
-    retrofit whose input is an intermediate model (`mla+dex` runs DEX on the MLA conversion)."""
-    model = load_fp32(path, device)
-    try:
-        return _ppl(_logits(model, rows, device), rows)
-    finally:
-        del model
+def _kv_bytes(config, model_class: type) -> int:
+    """KV-cache bytes per token (fp32, batch 1) of the model `config` describes, measured from the cache
+    of a one-layer twin per layer type (`retrofit_stream.one_layer_twin`)."""
+    return int(sum(per_layer_measure(config, model_class, lambda twin: kv_cache_bytes_per_token(twin)["total"])))
 
 
 def _against_original(report: dict, prior: dict, model: str, kv_intermediate: int) -> dict:

@@ -6,20 +6,20 @@ import argparse
 
 from attnkit.converters.dex.heads import dex_config_fields, parse_heads, select_heads
 from attnkit.converters.mla.convert import convert as convert_mla
-from attnkit.converters.retrofit import ANNEAL_FRACTION, retrofit, retrofit_after_mla
+from attnkit.converters.retrofit import ANNEAL_FRACTION, RetrofitMethod, retrofit, retrofit_after_mla
 
 SCORE = "normalised attention entropy on calibration text (higher = more diffuse); top ceil(fraction*H) per layer"
 
 
 def convert_dex(args: argparse.Namespace) -> int:
     parse_heads(args.heads, args.heads_fraction)  # refuse bad input before any work
-    return retrofit(args, "dex", _fields("dex"))
+    return retrofit(args, RetrofitMethod("dex", _fields("dex")))
 
 
 def convert_mla_dex(args: argparse.Namespace) -> int:
     """MLA first, then DEX on its DeepSeek-V3 output (`retrofit_after_mla`)."""
     parse_heads(args.heads, args.heads_fraction)  # refuse bad input before the long MLA step
-    return retrofit_after_mla(args, "mla+dex", _fields("mla+dex"), convert_mla=convert_mla)
+    return retrofit_after_mla(args, RetrofitMethod("mla+dex", _fields("mla+dex")), convert_mla=convert_mla)
 
 
 def _fields(method: str):

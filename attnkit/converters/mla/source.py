@@ -56,13 +56,15 @@ def open_source(model: str, check=describe) -> Source:
     return Source(path, config, hf_config, family, ckpt, Shape(D, H, G, d), "model.layers.")
 
 
-def load_layer(src: Source, layer: int, device: str, mlp: bool = True) -> torch.nn.Module:
+def load_layer(src: Source, layer: int, device: str, mlp: bool = True, mlp_fp32: bool = False) -> torch.nn.Module:
     """The source decoder layer (transformers' own class) with its weights, fp32 on `device`;
-    without `mlp` its MLP stays on the meta device until `load_mlp`."""
+    without `mlp` its MLP stays on the meta device until `load_mlp`. MLP weights stay in the source
+    dtype, upcast per call (they are most of a layer's bytes), unless `mlp_fp32`: then the layer
+    computes exactly what the whole model loaded in fp32 computes (the retrofits' bit-identity)."""
     prefix = f"{src.prefix}{layer}."
     names = [n for n in src.ckpt.keys() if n.startswith(prefix) and (mlp or ".mlp." not in n)]
-    # MLP weights stay in the source dtype (upcast per call): they are most of a layer's bytes
-    state = {n[len(prefix):]: src.ckpt.get(n, dtype=None if ".mlp." in n else torch.float32, device=device) for n in names}
+    keep = lambda n: ".mlp." in n and not mlp_fp32  # noqa: E731
+    state = {n[len(prefix):]: src.ckpt.get(n, dtype=None if keep(n) else torch.float32, device=device) for n in names}
     with torch.device("meta"):
         module = src.family.decoder_layer_class()(src.hf_config, layer)
     try:
