@@ -90,35 +90,43 @@ class LazyCheckpoint:
         return {name: tuple(h["shape"]) for name, h in self.header().items()}
 
 
-FINITE_CHUNK = 1 << 24  # elements checked at once: a bounded temporary whatever the tensor's size
+FINITE_CHUNK = 1 << 22  # elements checked at once: a bounded temporary whatever the tensor's size
+
+
+FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def first_non_finite(folder: str | os.PathLike) -> tuple[str, str] | None:
     """(tensor name, "NaN" or "Inf") of the first floating-point tensor that holds a NaN or an infinity,
-    None when every one is finite. Streams: one shard open, one tensor resident at a time, checked in
-    chunks, so the memory is one tensor's whatever the model's size."""
+    None when every one is finite. Read with plain file I/O a chunk at a time (not mmap, whose touched
+    pages would stay resident: the whole checkpoint's bytes, at the peak of a streamed conversion)."""
     ckpt = LazyCheckpoint(folder)
-    by_shard: dict[str, list[str]] = {}
-    for name, shard in ckpt.weight_map.items():
-        by_shard.setdefault(shard, []).append(name)
-    for shard, names in by_shard.items():
+    for shard in dict.fromkeys(ckpt.weight_map.values()):
         path = ckpt.folder / shard
+        header = read_header(path)
         try:
-            with safe_open(path, framework="pt", device="cpu") as handle:
-                for name in names:
-                    tensor = handle.get_tensor(name)
-                    if not tensor.is_floating_point():
-                        continue
-                    flat = tensor.reshape(-1)
-                    for start in range(0, flat.numel(), FINITE_CHUNK):
-                        chunk = flat[start : start + FINITE_CHUNK]
-                        if not bool(torch.isfinite(chunk).all()):
-                            return name, "NaN" if bool(torch.isnan(chunk).any()) else "Inf"
-                    del tensor, flat
-        except AttnkitError:
-            raise
-        except Exception as exc:  # safetensors raises several types for corrupt files
-            raise AttnkitError(f"cannot read the weights in {path}: {str(exc).splitlines()[0]}") from None
+            with open(path, "rb") as f:
+                base = 8 + int.from_bytes(f.read(8), "little")
+                for name, entry in header.items():
+                    dtype = FLOAT_DTYPES.get(entry.get("dtype"))
+                    if dtype is not None and (bad := _non_finite_in(f, base, entry["data_offsets"], dtype)):
+                        return name, bad
+        except OSError as exc:
+            raise AttnkitError(f"cannot read the weights in {path}: {exc}") from None
+    return None
+
+
+def _non_finite_in(f, base: int, offsets: list[int], dtype: torch.dtype) -> str | None:
+    """"NaN", "Inf" or None for the tensor at `offsets` of an open safetensors file (data from `base`)."""
+    lo, hi = (base + int(o) for o in offsets)
+    step = FINITE_CHUNK * dtype.itemsize
+    buffer = bytearray(min(step, hi - lo))
+    f.seek(lo)
+    for start in range(lo, hi, step):
+        got = f.readinto(memoryview(buffer)[: min(step, hi - start)])
+        chunk = torch.frombuffer(buffer, dtype=dtype, count=got // dtype.itemsize)
+        if not bool(torch.isfinite(chunk).all()):
+            return "NaN" if bool(torch.isnan(chunk).any()) else "Inf"
     return None
 
 
