@@ -64,3 +64,52 @@ def test_parameters_before_after_and_why(runs, target):
     assert f"  queries {parts['queries']['after'] - parts['queries']['before']:+,} (query 16 -> " in printed
     assert f"Parameters: {params['before']:,} before → {params['after']:,} after" in card
     assert f"| queries | {parts['queries']['before']:,} | {parts['queries']['after']:,} |" in card
+
+
+def _table(printed: str) -> list[list[str]]:
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    return [line.split() for line in lines[start + 2:] if line.split() and line.split()[0] in
+            ("exact", "rope", "balance", "low-rank", "refit", "native")]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_exact_only_where_the_step_leaves_the_logits_unchanged(runs, target):
+    report, printed, card, _, _ = runs[target]
+    head = printed.splitlines()[next(i for i, line in enumerate(printed.splitlines()) if line.startswith("step "))]
+    assert head.split()[:3] == ["step", "step", "alone"] and " exact " not in head
+    assert "True" not in printed and "False" not in printed  # no bare flag that reads like a pass/fail
+    rows = {r[0]: r for r in _table(printed)}
+    for step in report["steps"]:
+        word = rows[step["name"]][1] if step["alone"] != "engine form" else " ".join(rows[step["name"]][1:3])
+        assert word == step["alone"]
+        if step["alone"] == "exact":
+            assert step["exact"] and step["name"] != "native"
+    native = next(s for s in report["steps"] if s["name"] == "native")
+    assert native["alone"] == ("engine form" if target == "engines" else "rounding") and native["exact"] is False
+    assert ("engine form: latent norm without a bias, lossy" in printed) == (target == "engines")
+    if target == "transformers":  # full size, fp32: nothing lossy, the logits unchanged but for rounding
+        assert {s["alone"] for s in report["steps"]} == {"exact", "rounding"}
+        assert max(s["logits_rel_err_max"] for s in report["steps"]) < 1e-4
+    else:
+        assert {s["name"] for s in report["steps"] if s["alone"] == "lossy"} >= {"rope", "low-rank"}
+    assert "| step | step alone |" in card and f"| native | {native['alone']} |" in card
+
+
+def test_runs_in_is_one_short_line_and_the_reasons_are_in_the_report_and_card(runs):
+    from attnkit.converters.mla.engines import engine_support
+    from attnkit.converters.mla.report import ATTNKIT_SERVING, runs_in
+
+    for target, (report, printed, card, _, _) in runs.items():
+        line = next(line for line in printed.splitlines() if line.startswith("runs in:"))
+        assert line == runs_in(report["serving"]) and len(line) <= 120, line
+        for engine, verdict in report["serving"].items():
+            assert engine in line
+            assert f"- {engine}: {verdict}" in card  # each reason in full, where the line sends the reader
+    # the longest cases: every engine named, none over 120 characters
+    for serving in (engine_support(28, 48, 64, 64, "engines"), engine_support(129, 128, 64, 64, "transformers", "exact"),
+                    engine_support(512, 64, 128, 128, "engines"), ATTNKIT_SERVING):
+        line = runs_in(serving)
+        assert len(line) <= 120 and all(engine in line for engine in serving), line
+    assert runs_in(engine_support(28, 48, 64, 64, "engines")) == (
+        "runs in: transformers, llama.cpp, SGLang; not in: vLLM CUDA, vLLM CPU (why: `serving` in attnkit_report.json)")

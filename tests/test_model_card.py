@@ -64,7 +64,7 @@ def test_convert_card_metadata_and_body(tmp_path):
     body = path.read_text()
     assert "| 12288 | 3840 | 31.2% |" in body
     assert "| kv_lora_rank | 128 |" in body
-    assert "| exact_rewrite | yes |" in body
+    assert "| exact_rewrite | exact |" in body and "| lowrank | lossy |" in body
     assert "12.9 before → 14.2 after" in body
     assert "trust_remote_code" not in body.split("## How to load")[1].split("```")[1]
     assert "**transformers only**" in body and "so they refuse it" in body  # a report without an engine form
@@ -409,9 +409,8 @@ def test_each_perplexity_is_named_and_the_card_leads_with_the_figure_eval_prints
     folder = _folder(tmp_path, attnkit_report__json=convert, eval_results__json=eval_results, finetune_report__json=finetune)
     meta, body = _card(folder)
     # the conversion's figure under its name, with its text and rows
-    assert ("held-out ppl (8 × 512-token rows of the calibration text's validation split, python): 12.9 before → "
-            "14.2 after conversion") in body
-    assert "| step | exact | " in body and "| kl | held-out ppl |" in body
+    assert "held-out ppl (8 × 512-token rows of --calib python's validation split): 12.9 before → 14.2 after conversion" in body
+    assert "| step | step alone | " in body and "| kl | held-out ppl |" in body
     # eval's: the rows `attnkit eval` prints, token_perplexity first, lm-eval's word_perplexity not in the table
     table = body.split("## Evaluation")[1]
     assert "word_perplexity" not in table

@@ -29,15 +29,16 @@ MAIN_METRICS = ["token_perplexity", "byte_perplexity", "bits_per_byte"]
 
 
 def held_out(calibration: dict | None) -> str:
-    """'held-out ppl (8 × 512-token rows of the calibration text's validation split, python)' from a
-    conversion report's `calibration` block (fields it lacks are left out)."""
+    """'held-out ppl (8 × 512-token rows of --calib python's validation split)' from a conversion
+    report's `calibration` block (fields it lacks are left out)."""
     c = calibration or {}
     rows, seq_len = c.get("held_out_rows"), c.get("seq_len")
     where = str(c.get("held_out_from") or "validation split")
-    text = "calibration text's " + where if where.endswith("split") else where
     size = f"{rows} × {seq_len}-token rows" if rows and seq_len else (f"{seq_len}-token rows" if seq_len else "rows")
-    source = f", {c['source']}" if c.get("source") else ""
-    return f"{HELD_OUT} ({size} of the {text}{source})"
+    if not where.endswith("split"):  # a source without validation documents: its last rows
+        return f"{HELD_OUT} ({size}: {where})"
+    calib = f"--calib {c['source']}'s" if c.get("source") else "the calibration text's"
+    return f"{HELD_OUT} ({size} of {calib} {where})"
 
 
 TASK_SENTENCE = (f"token_perplexity ({TASK}): per token over {PPL_FILES} held-out Python files ({TASK}-quick: "

@@ -377,9 +377,14 @@ def _conversion_section(convert: dict) -> str:
         parts += ["", "Settings:", "", _table(["setting", "value"], [[k, v] for k, v in sorted(settings.items())])]
     steps = convert.get("steps") or []
     if steps:
-        cols = ["exact", "attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
-        rows = [[s.get("name", "?")] + [s.get(c) for c in cols] for s in steps if isinstance(s, dict)]
-        parts += ["", "Measured error of each step:", "", _table(["step"] + cols[:-1] + [HELD_OUT], rows)]
+        from attnkit.converters.mla.report import ALONE, step_alone
+
+        cols = ["attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
+        steps = [s for s in steps if isinstance(s, dict)]
+        rows = [[s.get("name", "?"), step_alone(s)] + [s.get(c) for c in cols] for s in steps]
+        legend = "; ".join(ALONE.get(k, k) for k in dict.fromkeys(step_alone(s) for s in steps))
+        parts += ["", "Measured error of each step (the columns after *step alone*: the model up to that step, against "
+                      f"the source; {legend}):", "", _table(["step", "step alone"] + cols[:-1] + [HELD_OUT], rows)]
     extras = {k: v for k, v in convert.items() if k not in _COMMON_CONVERT_KEYS}
     if extras:
         parts += ["", _details("Method-specific details (attnkit_report.json)", scrub(extras))]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from attnkit import __version__
 from attnkit.converters.common import source_info
 from attnkit.converters.params import format_params
@@ -46,7 +48,7 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
                **({"exact": LIFTED_EXACT, "native": ATTNKIT_NATIVE} if s.format == "attnkit" else {})}
     for name, m in metrics.items():
         what = what_of[name]
-        steps.append({"name": name, "exact": exact[name], "what": what,
+        steps.append({"name": name, "exact": exact[name], "alone": _alone(name, exact[name], s, folded), "what": what,
                       "attn_rel_err_mean": attn_err[name].mean, "attn_rel_err_max": attn_err[name].max, **m})
     lossy = [n for n in ("exact", "rope", "low-rank") if not exact[n]]
     return {
@@ -73,6 +75,30 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
         "calibration": {"source": s.calib, "tokens": s.calib_tokens, "seq_len": s.seq_len},
         "layers": per_layer,
     }
+
+
+# What a step does by itself, in the word the printout and the card show (`exact` only where the step
+# leaves every logit unchanged; the error columns beside it measure the model up to that step).
+ALONE = {
+    "exact": "exact: logits unchanged but for float rounding",
+    "lossy": "lossy: approximates",
+    "lossy fold": "lossy fold: QK norms as constant scales",
+    "rounding": "rounding: to the output dtype only",
+    "engine form": "engine form: latent norm without a bias, lossy (healing recovers it)",
+}
+
+
+def _alone(name: str, exact: bool, s, folded: bool) -> str:
+    if name == "native":
+        return "engine form" if s.target == "engines" and s.format != "attnkit" else "rounding"
+    if name == "exact" and folded:
+        return "lossy fold"
+    return "exact" if exact else "lossy"
+
+
+def step_alone(step: dict) -> str:
+    """A report step's `alone` word; reports without it (GQA, older MLA) from their `exact` flag."""
+    return step.get("alone") or ("exact" if step.get("exact") else "lossy")
 
 
 def sliding_windows(src) -> dict | None:
@@ -123,12 +149,26 @@ def format_steps(report: dict) -> list[str]:
     """The per-step table and the KV line (shared by every streaming converter's printout)."""
     cols = ["attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
     names = {"ppl": HELD_OUT}
-    head = f"{'step':<10}{'exact':<7}" + "".join(f"{names.get(c, c.replace('_rel_err', '')):>14}" for c in cols)
+    head = f"{'step':<10}{'step alone':<13}" + "".join(f"{names.get(c, c.replace('_rel_err', '')):>14}" for c in cols)
     lines = [head, "-" * len(head)]
     for st in report["steps"]:
-        lines.append(f"{st['name']:<10}{str(st['exact']):<7}" + "".join(f"{st[c]:>14.3e}" for c in cols))
+        lines.append(f"{st['name']:<10}{step_alone(st):<13}" + "".join(f"{st[c]:>14.3e}" for c in cols))
+    kinds = dict.fromkeys(step_alone(st) for st in report["steps"])
+    lines.append("step alone: what the step does by itself; the error columns: the model up to it, against the source")
+    lines += textwrap.wrap("; ".join(ALONE.get(k, k) for k in kinds), 118, initial_indent="  ", subsequent_indent="  ")
     lines.append(kv_change(report["kv_cache_bytes_per_token"]))
     return lines
+
+
+def runs_in(serving: dict[str, str]) -> str:
+    """One short line: the engines that run the output and those that do not; each one's reason is in
+    the report's `serving` and the card."""
+    yes = [engine for engine, verdict in serving.items() if str(verdict).startswith("yes")]
+    no = [engine for engine in serving if engine not in yes]
+    line = "runs in: " + (", ".join(yes) or "none of the engines checked")
+    if no:
+        line += f"; not in: {', '.join(no)} (why: `serving` in attnkit_report.json)"
+    return line
 
 
 def format_report(report: dict) -> str:
@@ -141,13 +181,13 @@ def format_report(report: dict) -> str:
         lines.append("--report final: the intermediate steps were not measured (--report steps measures each)")
     if report.get("qk_norm_fold"):
         f = report["qk_norm_fold"]
-        lines.append(f"QK-norm fold (lossy, step exact): {HELD_OUT} {report['ppl']['before']:.4f} -> {f['ppl']:.4f}, KL {f['kl']:.4f}")
+        lines.append(f"QK-norm fold (lossy; the `exact` step's row): {HELD_OUT} {report['ppl']['before']:.4f} -> {f['ppl']:.4f}, KL {f['kl']:.4f}")
     if report.get("sliding_window"):
         w = report["sliding_window"]
         lines.append(f"sliding-window layers ({len(w['layers'])} of {len(report['layers'])}) kept as windows of "
                      f"{w['window']} tokens: their latent cache holds the last {w['window'] - 1}, as the source's KV cache")
     if report.get("serving"):
-        lines.append("runs in: " + "; ".join(f"{k} {v}" for k, v in report["serving"].items()))
+        lines.append(runs_in(report["serving"]))
     if report.get("kv_budget"):
         b = report["kv_budget"]
         lines.append(f"--kv-budget {b['fraction']}: chose kv_lora_rank {b['chosen']['kv_lora_rank']}, rope_dim "
