@@ -76,7 +76,7 @@ def constant_latent_channels(attn: torch.nn.Module) -> list[int]:
     """MLA latent channels that carry a constant (zero weight row, non-zero bias in kv_a_proj_with_mqa).
 
     `attnkit convert --to mla` reserves such a channel so that `kv_a_layernorm` acts as a fixed
-    scale (SPEC §3 step 6); its activation is ~10⁵× the others.
+    scale (docs/mla.md, step 6 `native`); its activation is ~10⁵× the others.
     """
     proj, up = getattr(attn, "kv_a_proj_with_mqa", None), getattr(attn, "kv_b_proj", None)
     if proj is None or up is None:

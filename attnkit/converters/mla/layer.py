@@ -1,4 +1,5 @@
-"""GQA / MHA / MQA -> MLA, the math (pure functions over one layer's tensors; SPEC §3).
+"""GQA / MHA / MQA -> MLA, the math (pure functions over one layer's tensors; docs/mla.md, "What the
+converter does").
 
 Notation: hidden D, query heads H, KV heads G, head dim d, RoPE dim d_r, latent rank m.
 A key head's dims pair up for rotate-half RoPE: pair i in [0, d/2) is dims (i, i + d/2) at

@@ -1,4 +1,4 @@
-"""MLA parameters -> a dense DeepSeek-V3 checkpoint (config + tensor names), SPEC §3 steps 5-6.
+"""MLA parameters -> a dense DeepSeek-V3 checkpoint (config + tensor names): docs/mla.md, step 6 `native`.
 
 `kv_a_layernorm` (RMSNorm over the latent, always applied) is made a near-constant scale by a
 reserved latent channel carrying a large constant `c` through the `kv_a_proj_with_mqa` bias:

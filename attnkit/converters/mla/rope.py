@@ -25,7 +25,8 @@ def source_rope(family, config: PretrainedConfig, layer_type: str | None = None)
 
 
 def exact_rope_parameters(slot_inv_freq: torch.Tensor, theta: float, max_pos: int, attention_factor: float) -> dict:
-    """`longrope` parameters whose inv_freq_s = theta^(-2s/d_r) / f_s equals `slot_inv_freq` (SPEC §3.7)."""
+    """`longrope` parameters whose inv_freq_s = theta^(-2s/d_r) / f_s equals `slot_inv_freq` (docs/mla.md,
+    "RoPE frequencies in the exported config")."""
     d_r = 2 * slot_inv_freq.numel()
     ladder = theta ** (-torch.arange(0, d_r, 2, dtype=torch.float64) / d_r)
     factors = [float(f) for f in (ladder / slot_inv_freq.double())]
