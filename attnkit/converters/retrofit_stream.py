@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -66,22 +66,32 @@ def _layer_io(src: Source, module: torch.nn.Module, layer: int, length: int, dev
     return through(module, pe, causal_mask(length, window_of(src, module, layer), device, always=calibrating))
 
 
+def each_layer(src: Source, device, step: Callable[[int, torch.nn.Module], None], desc: str | None = None) -> None:
+    """`step(layer, module)` for every source decoder layer in turn (fp32 on `device`), each freed
+    before the next is read: the one loop of a streamed retrofit pass. (A callback, not a generator:
+    the caller's loop variable would keep the previous layer alive while the next one loads.)"""
+    layers = range(src.config["num_hidden_layers"])
+    for layer in tqdm(layers, desc=desc, unit="layer", leave=False, disable=desc is None):
+        step(layer, load_layer(src, layer, device, mlp_fp32=True))
+        return_freed_memory(trim=True)
+
+
 @torch.no_grad()
 def calibration_pass(src: Source, calib: RowStore, held: RowStore, device,
                      tokens_per_batch: int = TOKENS_PER_BATCH) -> dict:
     """Pass 1: per layer and head, entropy and output RMS on `calib` (advanced through every layer);
     `held` advanced through the source layers. Batches of rows as the whole-model pass took them,
     so the statistics are those of a whole-model calibration, bit for bit."""
-    layers, length = src.config["num_hidden_layers"], calib.row_shape[0]
-    stats = CalibrationStats(layers, src.hf_config.num_attention_heads)
+    length = calib.row_shape[0]
+    stats = CalibrationStats(src.config["num_hidden_layers"], src.hf_config.num_attention_heads)
     rows = rows_per_batch(length, tokens_per_batch)
-    for layer in tqdm(range(layers), desc="calibration", unit="layer", leave=False):
-        module = load_layer(src, layer, device, mlp_fp32=True)
+
+    def step(layer: int, module: torch.nn.Module) -> None:
         with calibration_attention(stats, src.hf_config, [module.self_attn]):
             calib.map_(_layer_io(src, module, layer, length, device, calibrating=True), rows, device)
         held.map_(_layer_io(src, module, layer, length, device), rows, device)
-        del module
-        return_freed_memory(trim=True)
+
+    each_layer(src, device, step, "calibration")
     return stats.result()
 
 
@@ -93,8 +103,8 @@ def rewrite_pass(src: Source, config, family_name: str, init_layer: InitLayerFn 
     from attnkit.adapters.modeling_attnkit import install_attention
 
     length = held.row_shape[0]
-    for layer in tqdm(range(src.config["num_hidden_layers"]), desc="rewrite", unit="layer", leave=False):
-        module = load_layer(src, layer, device, mlp_fp32=True)
+
+    def step(layer: int, module: torch.nn.Module) -> None:
         install_attention(module.self_attn, config, family_name)
         if init_layer is not None:
             init_layer(module.self_attn, stats)
@@ -102,8 +112,8 @@ def rewrite_pass(src: Source, config, family_name: str, init_layer: InitLayerFn 
         held.map_(_layer_io(src, module, layer, length, device), rows_per_batch(length), device)
         for name, tensor in module.state_dict().items():
             writer.add(f"{src.prefix}{layer}.{name}", tensor.to(out_dtype))
-        del module
-        return_freed_memory(trim=True)
+
+    each_layer(src, device, step, "rewrite")
 
 
 STREAM_COPY_BYTES = 256 * 2**20  # an embedding or head above this is copied a block of rows at a time
@@ -140,10 +150,8 @@ def streamed_ppl(src: Source, ids: torch.Tensor, scratch: Path, device) -> float
     """Perplexity of the model `src` on rows `ids` [N, T], a layer at a time (the user's model before
     `mla+…`, whose retrofit runs on the MLA conversion)."""
     store = embedded(src, ids, scratch / "ppl.f32")
-    for layer in range(src.config["num_hidden_layers"]):
-        module = load_layer(src, layer, device, mlp_fp32=True)
-        store.map_(_layer_io(src, module, layer, ids.shape[1], device), rows_per_batch(ids.shape[1]), device)
-        del module
+    each_layer(src, device, lambda layer, module: store.map_(_layer_io(src, module, layer, ids.shape[1], device),
+                                                             rows_per_batch(ids.shape[1]), device))
     final_norm = src.ckpt.get(src.family.final_norm + ".weight", dtype=torch.float32, device=device)
     ppl, _ = measure_streams(src, {"source": store}, (), ids, final_norm, lm_head_name(src), device)
     return ppl
