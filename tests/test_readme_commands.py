@@ -5,7 +5,7 @@ chains split) and every `attnkit …` / `accelerate launch …` command in them 
 one working folder under tmp_path, through the console scripts installed beside this interpreter, on
 the bundled models. A command that exits non-zero fails its test with the tail of its output.
 
-Scaled down, and only by the reviewed table SCALE_DOWN below: the tour's conversions calibrate on fewer
+Scaled down, and only by the reviewed table SCALE_DOWN below: the tour's conversions calibrate on 1,024
 tokens, the fine-tunes train a few steps, eval and bench score a few documents and one short context;
 the extra arguments are appended after the README's own, where the last value of a flag (argparse) or
 of a `key=value` recipe override wins. README.md says so under its tour.
@@ -71,7 +71,7 @@ PLACEHOLDERS = re.compile(r"\b(MODEL|OUT|SRC|USER/NAME|N|W)\b")
 
 # ---------------------------------------------------------------- the scale-down table (reviewed)
 
-FAST_CALIB = ["--calib-tokens", "4096", "--eval-tokens", "1024"]  # 8 calibration rows, 2 held-out rows of 512
+FAST_CALIB = ["--calib-tokens", "1024", "--eval-tokens", "512"]  # 2 calibration rows of 512 tokens, 1 held-out row
 FAST_FINETUNE = ["data.tokens=1024", "data.seq_len=256", "data.val_tokens=512", "eval.limit=1"]  # 4 steps
 SCALE_DOWN = {
     ("attnkit", "convert"): FAST_CALIB,  # and `--limit 4` with `--eval` (added in scaled())
@@ -217,7 +217,15 @@ class Result:
     argv: list[str]
     returncode: int
     output: str
-    seconds: float
+    seconds: float  # wall
+    cpu: float  # user + sys of the command and everything it waited for (steadier on a shared machine)
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 class Tour:
@@ -237,7 +245,10 @@ class Tour:
                 offline_hub_cache(cache, repo_id, build)
         self.env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
                     "HF_HOME": str(work / "hf"), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(work / "tmp"), "PYTHONWARNINGS": "ignore"}
+                    "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(work / "tmp"), "PYTHONWARNINGS": "ignore",
+                    # one torch thread per command: on a 2-core machine that anything else also uses, torch's
+                    # spinning OpenMP threads made a scaled-down conversion 140 s instead of 38 s with one
+                    "OMP_NUM_THREADS": "1"}
         for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT"):
             self.env.pop(name, None)
 
@@ -248,17 +259,23 @@ class Tour:
             if cmd.key() == ("attnkit", "push"):  # the local Hub, online
                 env.update(HF_HUB_OFFLINE="0", HF_ENDPOINT=self.hub.url, HF_TOKEN=TOKEN)
             argv = scaled(cmd)
-            started = time.time()
+            started, cpu = time.time(), _children_cpu()
             proc = subprocess.run(argv, cwd=self.work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, timeout=600)
-            self.results.append(Result(argv, proc.returncode, proc.stdout, round(time.time() - started, 1)))
+            self.results.append(Result(argv, proc.returncode, proc.stdout, round(time.time() - started, 1),
+                                       round(_children_cpu() - cpu, 1)))
         return self.results[index]
 
 
 @pytest.fixture(scope="module")
 def tour(tmp_path_factory):
     with HubServer(TOKEN) as hub:
-        yield Tour(tmp_path_factory.mktemp("readme"), hub)
+        tour = Tour(tmp_path_factory.mktemp("readme"), hub)
+        yield tour
+    # what each command cost (shown with -s): the README's commands must stay within CI's budget
+    for r in tour.results:
+        print(f"{r.seconds:7.1f} s wall {r.cpu:7.1f} s cpu  exit {r.returncode}  {shlex.join([Path(r.argv[0]).name, *r.argv[1:]])[:100]}")
+    print(f"{sum(r.seconds for r in tour.results):7.1f} s wall {sum(r.cpu for r in tour.results):7.1f} s cpu  total")
 
 
 def _last_lines(text: str, n: int = 40) -> str:
