@@ -274,7 +274,8 @@ def tour(tmp_path_factory):
         yield tour
     # what each command cost (shown with -s): the README's commands must stay within CI's budget
     for r in tour.results:
-        print(f"{r.seconds:7.1f} s wall {r.cpu:7.1f} s cpu  exit {r.returncode}  {shlex.join([Path(r.argv[0]).name, *r.argv[1:]])[:100]}")
+        words = shlex.join([Path(r.argv[0]).name, *r.argv[1:]])[:100]
+        print(f"{r.seconds:7.1f} s wall {r.cpu:7.1f} s cpu  exit {r.returncode}  {words}")
     print(f"{sum(r.seconds for r in tour.results):7.1f} s wall {sum(r.cpu for r in tour.results):7.1f} s cpu  total")
 
 

@@ -401,7 +401,8 @@ def _params_part(convert: dict) -> list[str]:
         return []
     rows = [[part, f"{e.get('before', 0):,}", f"{e.get('after', 0):,}", f"{e.get('after', 0) - e.get('before', 0):+,}",
              e.get("why")] for part, e in (params.get("by_part") or {}).items() if isinstance(e, dict)]
-    text = (f"Parameters{step}: {params['before']:,} before → {params['after']:,} after (×{params['after'] / params['before']:.3f}); "
+    ratio = params["after"] / params["before"]
+    text = (f"Parameters{step}: {params['before']:,} before → {params['after']:,} after (×{ratio:.3f}); "
             "by part and why (a smaller KV cache can take more weights):")
     return ["", text, "", _table(["part", "before", "after", "change", "why"], rows)]
 

@@ -181,7 +181,8 @@ def format_report(report: dict) -> str:
         lines.append("--report final: the intermediate steps were not measured (--report steps measures each)")
     if report.get("qk_norm_fold"):
         f = report["qk_norm_fold"]
-        lines.append(f"QK-norm fold (lossy; the `exact` step's row): {HELD_OUT} {report['ppl']['before']:.4f} -> {f['ppl']:.4f}, KL {f['kl']:.4f}")
+        lines.append(f"QK-norm fold (lossy; the `exact` step's row): {HELD_OUT} {report['ppl']['before']:.4f} -> "
+                     f"{f['ppl']:.4f}, KL {f['kl']:.4f}")
     if report.get("sliding_window"):
         w = report["sliding_window"]
         lines.append(f"sliding-window layers ({len(w['layers'])} of {len(report['layers'])}) kept as windows of "
