@@ -1,8 +1,9 @@
 """The shipped accelerate configs (recipes/accelerate/*.yaml) parse the way `accelerate launch` parses them.
 
-No GPU here, so they cannot run; this checks what can be checked on a CPU: accelerate's own launcher
-accepts each file, resolves the intended distributed mode, and (FSDP) its plugin builds from the
-environment the launcher would hand the workers.
+This checks how accelerate's own launcher reads each file: the intended distributed mode, and (FSDP) the
+plugin built from the environment the launcher hands the workers. ddp.yaml and fsdp.yaml also run for
+real on 2 CPU processes in tests/test_fsdp_cpu.py; 1gpu.yaml and deepspeed-zero3.yaml need a GPU (and
+deepspeed).
 """
 
 from __future__ import annotations
@@ -50,6 +51,6 @@ def test_fsdp_plugin_builds_from_the_launch_environment():
     env = prepare_multi_gpu_env(launch_args("fsdp.yaml"))
     with mock.patch.dict(os.environ, env):
         plugin = FullyShardedDataParallelPlugin()
-    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True and plugin.activation_checkpointing
     assert plugin.state_dict_type.name == "SHARDED_STATE_DICT" and plugin.cpu_ram_efficient_loading
     assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"

@@ -52,17 +52,17 @@ def save_llama(folder: Path, tokenizer, seed: int = 0, layers: int = 1) -> Path:
     return folder
 
 
-def save_deepseek(folder: Path, tokenizer, seed: int = 1) -> Path:
-    """A dense DeepSeek-V3 (MLA) like `attnkit convert --to mla` writes."""
+def save_deepseek(folder: Path, tokenizer, seed: int = 1, layers: int = 1, **extra) -> Path:
+    """A dense DeepSeek-V3 (MLA) like `attnkit convert --to mla` writes (`extra`: more DeepseekV3Config fields)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
     config = DeepseekV3Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=64,
-        num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+        num_hidden_layers=layers, first_k_dense_replace=layers, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
         max_position_embeddings=128, rope_interleave=False,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, **extra,
     )
     DeepseekV3ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

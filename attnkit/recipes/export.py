@@ -45,7 +45,11 @@ def save_healed(
             model.to(dtype).save_pretrained(tmp, safe_serialization=True)
         else:  # gathered from FSDP/DeepSpeed shards
             model.config.dtype = dtype
-            model.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in state_dict.items()}, safe_serialization=True)
+            tied = getattr(model, "all_tied_weights_keys", None) or {}  # {target: source}, e.g. lm_head -> embed_tokens
+            # gathered copies share no storage, so save_pretrained would write a tied weight twice
+            drop = {k for k, source in tied.items() if k in state_dict and source in state_dict}
+            model.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in state_dict.items() if k not in drop},
+                                  safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for src in student_path.glob("*.py"):  # remote modeling code referenced by auto_map
             if not (tmp / src.name).exists():

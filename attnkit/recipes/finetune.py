@@ -62,16 +62,61 @@ def make_accelerator(recipe: Recipe):
         cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         precision = os.environ.get("ACCELERATE_MIXED_PRECISION") or ("bf16" if cuda_bf16 else "no")
     want_tb = recipe.log.tensorboard and is_tensorboard_available()
+    cpu = _cpu_launch()
     accelerator = Accelerator(
         mixed_precision=precision,
         log_with="tensorboard" if want_tb else None,
         project_dir=str(recipe.resolved_run_dir),
         step_scheduler_with_optimizer=False,  # one scheduler step per optimizer step, whatever the process count
+        cpu=cpu,
     )
+    if cpu and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        _fsdp_on_cpu(accelerator)
     note = None
     if recipe.log.tensorboard and not want_tb:
         note = "TensorBoard logging skipped: `pip install tensorboard` (log.jsonl is written anyway)"
     return accelerator, note
+
+
+def _cpu_launch() -> bool:
+    """A multi-process launch (torchrun / `accelerate launch`, WORLD_SIZE > 1) on a machine without a device
+    that has a distributed backend. accelerate makes each process a world of one there (accelerate/state.py
+    PartialState._prepare_backend: no device type, so DistributedType.NO): N copies training alone, all
+    writing OUTPUT_DIR. Run them as one gloo process group instead, as `ACCELERATE_USE_CPU=1` would."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("LOCAL_RANK", "-1")) < 0:
+        return False
+    if os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
+        return True
+    try:  # accelerate's own test, the one _prepare_backend makes
+        from accelerate.utils.imports import get_distributed_backend, get_torch_accelerator_backend
+
+        device_type, _ = get_torch_accelerator_backend()
+        return device_type is None or get_distributed_backend(device_type) is None
+    except ImportError:  # older accelerate
+        return not torch.cuda.is_available()
+
+
+def _fsdp_on_cpu(accelerator) -> None:
+    """FSDP2 on CPU processes (gloo): what the launcher's FSDP config asked for and accelerate refuses there.
+
+    accelerate turns a launch into DistributedType.FSDP only for device processes (accelerate/state.py
+    AcceleratorState.__init__: the FSDP branch sits under `distributed_type in [MULTI_GPU, MULTI_NPU, …]`,
+    and a CPU launch is MULTI_CPU), so the config's FSDP settings would silently train under DDP. torch's
+    fully_shard itself runs on a CPU device mesh with gloo; this sets the state accelerate would have set
+    on GPUs (the plugin built from the launcher's FSDP_* environment), and accelerator.prepare then shards
+    through accelerate's own FSDP2 code (fsdp2_prepare_model, activation checkpointing, DCP save/load)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from FSDP_* environment variables, as Accelerator() does
+    if plugin.fsdp_version != 2:
+        raise AttnkitError("FSDP on CPU processes needs fsdp_version: 2 (torch's fully_shard); "
+                           "FSDP1 wraps with CUDA streams (recipes/accelerate/fsdp.yaml is FSDP2)")
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
@@ -202,6 +247,34 @@ def load_teacher(path: Path | None, config: dict, device):
     return teacher
 
 
+def shard_teacher(teacher, accelerator) -> int:
+    """FSDP: the frozen teacher's decoder layers sharded over the processes like the student's (fully_shard
+    per layer, each its own unit: gathered for its forward, freed after). Its embeddings, final norm and
+    LM head stay whole on every process; they are a few % of a large model's weights, and keeping them out
+    of FSDP lets the trainer call the base model alone (no LM head) when only hidden states are matched.
+    The teacher arrives on the CPU: fully_shard moves each process's shard to the device of the default
+    mesh (the GPU of this process; the CPU under gloo), then the rest follows, so no device ever holds it whole.
+    Returns the number of layers sharded (0: no decoder-layer class known, the teacher stays replicated)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    names = set(getattr(teacher, "_no_split_modules", None) or [])
+    layers = [m for m in teacher.modules() if type(m).__name__ in names]
+    plugin = accelerator.state.fsdp_plugin
+    policy = plugin.mixed_precision_policy or MixedPrecisionPolicy()
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=True, mp_policy=policy)
+    with torch.no_grad():  # embeddings, final norm, LM head, rotary buffers: whole, on this process's device
+        for module in teacher.modules():
+            for name, param in module._parameters.items():
+                if param is not None and not isinstance(param, DTensor):
+                    param.data = param.data.to(accelerator.device)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not isinstance(buffer, DTensor):
+                    module._buffers[name] = buffer.to(accelerator.device)
+    return len(layers)
+
+
 # ------------------------------------------------------------------ the run
 
 
@@ -255,8 +328,12 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         notes.append("eval tasks skipped: they run on one process and need an unsharded model (FSDP/DeepSpeed)")
 
     cache = None
-    if cache_plan is None:
-        teacher = load_teacher(teacher_path, teacher_config, accelerator.device)
+    if cache_plan is None:  # under FSDP loaded on the CPU: only its shard goes to the device
+        teacher = load_teacher(teacher_path, teacher_config, "cpu" if _is_fsdp(accelerator) else accelerator.device)
+        if teacher is not None and _is_fsdp(accelerator):
+            layers = shard_teacher(teacher, accelerator)
+            notes.append(f"teacher: {layers} decoder layers sharded over {world} processes (FSDP)" if layers else
+                         "teacher: replicated on every process (no decoder-layer class to shard by)")
     else:  # the teacher runs once (main process, while the others wait), then never again
         teacher = None
         cache, cache_note = _open_cache(accelerator, recipe, cache_plan, cache_fp, rows, dataset.used_rows(),
@@ -270,6 +347,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     protected = trainable.protect_constant_channels(model)
     if protected:
         notes.append(f"{protected} constant MLA latent channel(s) kept frozen (their gradients are zeroed)")
+    masks = trainable.grad_masks(model)  # by name: FSDP replaces the parameters their hooks are on
     trainable_desc = trainable.describe(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -279,6 +357,8 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     scheduler = build_scheduler(optimizer, total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio, t.decay_fraction)
     loader = batches.train_loader(dataset, t.per_device_batch_size)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
+    masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
 
     if main_proc:
         state.claim_run_dir(run_dir, recipe.fingerprint(), world)
@@ -333,7 +413,8 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         if teacher is not None:
             broadcast_step(teacher, step, total_steps)
         try:
-            parts = _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe, step)
+            parts = _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe,
+                                    step, masked)
         except AttnkitError:
             if progress is not None:  # the bar's last line before the error's, not after it
                 progress.close()
@@ -425,7 +506,7 @@ def _open_cache(accelerator, recipe, plan, fp, rows, used, val_rows, teacher_pat
 
 
 def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe,
-                    step: int) -> dict:
+                    step: int, masked=()) -> dict:
     """`grad_accum` micro-batches → one clipped AdamW step; returns the mean loss parts (all processes).
     A non-finite loss or gradient norm stops the run before the step is taken (on every process: the
     check reads the all-reduced values): continuing would only train on NaN and write a broken model."""
@@ -457,6 +538,9 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
         parts["loss"] = float(loss.detach())
         for k, v in parts.items():
             sums[k] = sums.get(k, 0.0) + v / accum
+    for param, keep in masked:  # FSDP: constant latent channels, zeroed in the sharded gradients
+        if param.grad is not None:
+            param.grad.mul_(keep)
     if recipe.train.max_grad_norm > 0:
         norm = accelerator.clip_grad_norm_(params, recipe.train.max_grad_norm)
         if norm is not None:  # DeepSpeed clips inside its engine and returns None
@@ -472,6 +556,12 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return parts
+
+
+def _is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def _is_sharded(accelerator) -> bool:

@@ -131,4 +131,39 @@ def _mask(param: torch.nn.Parameter, rows: torch.Tensor | None = None, cols: tor
         keep[rows] = False
     if cols is not None:
         keep[:, cols] = False
+    if hasattr(param, "_attnkit_grad_keep"):  # a parameter masked twice keeps both masks
+        keep &= param._attnkit_grad_keep
+    param._attnkit_grad_keep = keep  # for FSDP, whose sharded parameters replace this one (grad_masks)
     param.register_hook(lambda grad, keep=keep: grad * keep.to(grad.device))
+
+
+def grad_masks(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{parameter name: keep mask} of protect_constant_channels, read before FSDP replaces the parameters."""
+    return {n: p._attnkit_grad_keep for n, p in model.named_parameters() if hasattr(p, "_attnkit_grad_keep")}
+
+
+def sharded_grad_masks(model: torch.nn.Module, masks: dict[str, torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """The masks laid out like FSDP2's sharded parameters (DTensors, each process its own rows).
+
+    A tensor hook on a sharded parameter never fires (the forward runs on the gathered copy), so under
+    FSDP the trainer multiplies the reduced, sharded gradients by these before clipping instead: the
+    same zeros DDP's hooks give. A collective call (distribute_tensor): every process, same order.
+    """
+    if not masks:
+        return []
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    out, found = [], set()
+    for name, param in model.named_parameters():
+        canonical = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        if canonical not in masks:
+            continue
+        found.add(canonical)
+        keep = masks[canonical].to(param.dtype)
+        if isinstance(param, DTensor):
+            keep = distribute_tensor(keep.to(param.device), param.device_mesh, param.placements)
+        out.append((param, keep))
+    missing = sorted(set(masks) - found)
+    if missing:
+        raise AttnkitError(f"constant latent channels: {missing[0]} not found after sharding; cannot protect it")
+    return out

@@ -1,0 +1,132 @@
+"""recipes/accelerate/fsdp.yaml runs for real on 2 CPU processes (gloo): FSDP2 heals exactly like DDP.
+
+The fast part of benchmarks/fsdp_cpu.py (same launch and probe code), on a tiny 2-layer MLA student and
+Llama teacher: `accelerate launch --config_file recipes/accelerate/{ddp,fsdp}.yaml --num_processes 2
+--mixed_precision no -m attnkit.finetune --config recipes/heal-mla.yaml ...` (through the probe runner).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_benchmark
+from safetensors.torch import load_file
+from test_finetune_fixtures import build_tokenizer, save_deepseek, save_llama, write_corpus
+
+
+def fsdp_on_cpu_unavailable() -> str | None:
+    """Why this torch/accelerate cannot run FSDP2 on CPU processes here (None: it can)."""
+    if not sys.platform.startswith("linux"):
+        return "the probe reads /proc/self/status"
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        return "torch.distributed with gloo is not available in this torch build"
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2)"
+    try:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model  # noqa: F401
+    except ImportError:
+        import accelerate
+
+        return f"accelerate {accelerate.__version__} has no FSDP2 support (fsdp2_prepare_model)"
+    if shutil.which("accelerate") is None:
+        return "the `accelerate` launcher is not on PATH"
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(fsdp_on_cpu_unavailable() is not None,
+                                                   reason=str(fsdp_on_cpu_unavailable()))]
+
+
+def with_constant_channel(folder: Path) -> Path:
+    """Give layer 0's MLA latent a constant channel (zero kv_a_proj row, non-zero bias), as the attnkit
+    format has: its gradients must stay zero under FSDP too (trainable.sharded_grad_masks)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    proj = model.model.layers[0].self_attn.kv_a_proj_with_mqa
+    with torch.no_grad():
+        proj.weight[0] = 0.0
+        proj.bias[0] = 5.0
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    corpus = write_corpus(root / "corpus.jsonl")
+    tok = build_tokenizer(corpus)
+    teacher = save_llama(root / "llama", tok, layers=2)
+    student = save_deepseek(root / "mla", tok, layers=2, attention_bias=True)  # the bias a constant channel needs
+    return {"root": root, "corpus": corpus, "teacher": teacher, "student": with_constant_channel(student)}
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
+    bench = load_benchmark("fsdp_cpu.py", "fsdp_cpu_bench")
+    overrides = [f"model={pair['student']}", f"teacher={pair['teacher']}", f"data.source={pair['corpus']}",
+                 "data.seq_len=16", "data.val_tokens=64", "train.max_steps=4", "train.per_device_batch_size=2",
+                 "train.warmup_steps=1", "eval.tasks=null", "eval.every=0", "log.tensorboard=false"]
+    ckpt = ["checkpoint.every=2", "checkpoint.keep=2"]
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    ddp = bench.launch("ddp", tmp_path, "ddp", overrides + ["checkpoint.every=0"], env_extra=env, timeout=300)
+    assert ddp["returncode"] == 0, ddp.get("stderr_tail")
+    fsdp = bench.launch("fsdp", tmp_path, "fsdp", overrides + ckpt, env_extra=env, timeout=300)
+    assert fsdp["returncode"] == 0, fsdp.get("stderr_tail")
+
+    # one process group of 2 in each (not two worlds of one), FSDP really sharded
+    assert ddp["processes"] == fsdp["processes"] == 2
+    assert [p["distributed_type"] for p in ddp["probes"]] == ["DistributedType.MULTI_CPU"] * 2
+    assert [p["distributed_type"] for p in fsdp["probes"]] == ["DistributedType.FSDP"] * 2
+    assert all(p["sharded_params"] == p["params"] > 0 for p in fsdp["probes"])
+    for key in ("student_weights", "adam_state"):  # each process holds its shard: the two add up to DDP's copy
+        assert sum(p[key] for p in fsdp["probes"]) == ddp["probes"][0][key]
+    assert all(p["teacher_weights"] < ddp["probes"][0]["teacher_weights"] for p in fsdp["probes"])
+    assert any("teacher: 2 decoder layers sharded" in n for n in fsdp["notes"])
+    assert "1 constant MLA latent channel(s) kept frozen (their gradients are zeroed)" in fsdp["notes"]
+
+    # the same batches give the same loss at every step (fp32)
+    assert sorted(ddp["losses"]) == sorted(fsdp["losses"]) == [1, 2, 3, 4]
+    assert bench.max_diff(fsdp["losses"], ddp["losses"]) < 1e-4
+    a, b, start = weights(tmp_path / "fsdp"), weights(tmp_path / "ddp"), weights(pair["student"])
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert any(not torch.equal(a[k], start[k]) for k in a)
+    # the constant channel did not move under either
+    for w in (a, b):
+        prefix = "model.layers.0.self_attn."
+        assert torch.equal(w[prefix + "kv_a_proj_with_mqa.weight"][0], start[prefix + "kv_a_proj_with_mqa.weight"][0])
+        assert torch.equal(w[prefix + "kv_a_proj_with_mqa.bias"][0], start[prefix + "kv_a_proj_with_mqa.bias"][0])
+        assert torch.equal(w[prefix + "kv_b_proj.weight"][:, 0], start[prefix + "kv_b_proj.weight"][:, 0])
+        assert torch.equal(w[prefix + "kv_a_layernorm.weight"][0], start[prefix + "kv_a_layernorm.weight"][0])
+        assert not torch.equal(w[prefix + "kv_b_proj.weight"][:, 1], start[prefix + "kv_b_proj.weight"][:, 1])
+
+    # resume under FSDP from the step-2 checkpoint (sharded model + optimizer, scheduler, RNG): a fresh
+    # launch on a copy of the run folder finishes steps 3-4 exactly as the uninterrupted run did
+    run = tmp_path / "fsdp.run"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    resumed_run = tmp_path / "resumed.run"
+    (resumed_run / "checkpoints").mkdir(parents=True)
+    shutil.copy2(run / "run.json", resumed_run / "run.json")
+    shutil.copytree(run / "checkpoints" / "step-000002", resumed_run / "checkpoints" / "step-000002")
+    resumed = bench.launch("fsdp", tmp_path, "resumed", overrides + ckpt, env_extra=env, timeout=300)
+    assert resumed["returncode"] == 0, resumed.get("stderr_tail")
+    assert resumed["resumed_from"].endswith("step-000002")
+    assert sorted(resumed["losses"]) == [3, 4]
+    assert resumed["losses"] == {s: fsdp["losses"][s] for s in (3, 4)}
+    assert resumed["loss_curve"] == fsdp["loss_curve"]
+    r = weights(tmp_path / "resumed")
+    assert all(torch.equal(r[k], a[k]) for k in a)
