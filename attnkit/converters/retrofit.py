@@ -27,6 +27,7 @@ from attnkit.converters.retrofit_stream import (InitLayerFn, calibration_pass, h
                                                 per_layer_measure, retrofit_config, rewrite_pass, streamed_ppl,
                                                 write_config, write_outside_layers)
 from attnkit.errors import AttnkitError
+from attnkit.evaluation.ppl import held_out
 from attnkit.evaluation.kv import kv_as_stored, kv_cache_bytes_per_token, kv_change, short_dtype
 from attnkit.io.checkpoint import ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
@@ -95,6 +96,7 @@ def retrofit(args: argparse.Namespace, method: RetrofitMethod, source_path: Path
         extras = {**step.pop("extras"), **(method.extras(config, model_class) if method.extras else {})}
         report = _report(args, method.name, src, stats, step, (kv_before, kv_after), out_dtype, config.attnkit,
                          ppl_original, held_note, calib, extras, prior)
+        report["calibration"]["held_out_rows"] = int(evaluation.shape[0])
         report["wall_time_s"] = round(time.time() - started, 2)
         write_config(src, config, model_class, out_dtype, tmp)
         tokenizer.save_pretrained(tmp)
@@ -157,7 +159,8 @@ def _report(args: argparse.Namespace, method: str, src: Source, stats: dict, ste
         "ppl": {"before": ppl_before, "after": step["ppl"],
                 "split": "validation" if held_note == "validation split" else "train"},
         "load": {**(prior or {}).get("load", {}), "trust_remote_code": True},
-        "calibration": {"rows": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "source": args.calib},
+        "calibration": {"rows": int(calib.shape[0]), "seq_len": int(calib.shape[1]), "source": args.calib,
+                        "held_out_from": held_note},
         "anneal_fraction": ANNEAL_FRACTION,
         **({"lambda_init": fields["lambda_init"]} if "lambda_init" in fields else {}),  # DEX/DIFF
         "output_dtype": str(out_dtype).replace("torch.", ""),
@@ -227,11 +230,12 @@ def _summary(report: dict, out: str) -> str:
     # after MLA (`mla+…`) the inserted modules are exact on the MLA model, while the perplexity's "before" is
     # the user's model: the change is the MLA step's, not this one's
     on = " on the MLA model" if "mla" in report else ""
-    lossy = "; the change is the MLA step's" if "mla" in report else ""
+    lossy = " (the change is the MLA step's)" if "mla" in report else ""
     lines = [
         f"attnkit convert --to {report['method']}: wrote {out}",
-        f"  {step['name']}{on}: logits rel. error max {step['logits_rel_err_max']:.2e} (exact: {step['exact']}); "
-        f"ppl {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f} ({report['ppl']['split']}{lossy})",
+        f"  {step['name']}{on}: logits rel. error max {step['logits_rel_err_max']:.2e} "
+        f"({'logits unchanged by this step' if step['exact'] else 'this step changes the logits'}); "
+        f"{held_out(report.get('calibration'))} {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f}{lossy}",
         "  " + kv_change(report["kv_cache_bytes_per_token"]),  # before: the user's model, also for mla+dex
     ]
     if "titans" in report:
