@@ -99,7 +99,8 @@ def test_ppl_before_is_the_original_models(runs):
     assert report["ppl"]["split"] == dex["ppl"]["split"]
     assert report["ppl"]["before"] == pytest.approx(dex["ppl"]["before"], rel=1e-6)
     assert report["ppl"]["after"] != pytest.approx(report["ppl"]["before"], rel=1e-6)  # MLA is lossy here
-    assert f"ppl {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f}" in runs["printed"]
+    assert f") {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f} (the change is the MLA step's)" in runs["printed"]
+    assert "logits unchanged by this step" in runs["printed"] and "exact: True" not in runs["printed"]
 
 
 def test_load_claims_only_what_holds_for_the_remote_code_output(runs):
