@@ -189,6 +189,7 @@ def retrofit_after_mla(args: argparse.Namespace, method: RetrofitMethod,
         mla_out = scratch / "mla"
         mla_args = copy.copy(args)
         mla_args.to, mla_args.out, mla_args.force = "mla", str(mla_out), False
+        mla_args.announce = False
         convert_mla(mla_args)
         prior = json.loads((mla_out / "attnkit_report.json").read_text())
         return retrofit(args, method, source_path=mla_out, prior=prior, original_path=original)

@@ -108,7 +108,8 @@ def convert(args: argparse.Namespace) -> int:
         (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
         write_model_card(tmp)
     print(format_report(report))
-    print(f"wrote {args.out}")
+    if getattr(args, "announce", True):  # not when OUT is a scratch step of `mla+…` (its path is temporary)
+        print(f"wrote {args.out}")
     return 0
 
 
