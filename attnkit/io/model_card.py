@@ -377,7 +377,7 @@ def _conversion_section(convert: dict) -> str:
         parts += ["", "Settings:", "", _table(["setting", "value"], [[k, v] for k, v in sorted(settings.items())])]
     steps = convert.get("steps") or []
     if steps:
-        from attnkit.converters.mla.report import ALONE, step_alone
+        from attnkit.io.steps import ALONE, step_alone
 
         cols = ["attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
         steps = [s for s in steps if isinstance(s, dict)]

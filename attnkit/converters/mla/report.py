@@ -10,6 +10,7 @@ from attnkit.converters.params import format_params
 from attnkit.converters.mla.engines import engine_support
 from attnkit.evaluation.kv import kv_change, short_dtype
 from attnkit.evaluation.ppl import HELD_OUT, held_out
+from attnkit.io.steps import ALONE, step_alone
 
 STEP_INFO = {
     "exact": "GQA as MLA: latent = raw K and V of all heads, RoPE on every key component",
@@ -79,13 +80,6 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
 
 # What a step does by itself, in the word the printout and the card show (`exact` only where the step
 # leaves every logit unchanged; the error columns beside it measure the model up to that step).
-ALONE = {
-    "exact": "exact: logits unchanged but for float rounding",
-    "lossy": "lossy: approximates",
-    "lossy fold": "lossy fold: QK norms as constant scales",
-    "rounding": "rounding: to the output dtype only",
-    "engine form": "engine form: latent norm without a bias, lossy (healing recovers it)",
-}
 
 
 def _alone(name: str, exact: bool, s, folded: bool) -> str:
@@ -94,11 +88,6 @@ def _alone(name: str, exact: bool, s, folded: bool) -> str:
     if name == "exact" and folded:
         return "lossy fold"
     return "exact" if exact else "lossy"
-
-
-def step_alone(step: dict) -> str:
-    """A report step's `alone` word; reports without it (GQA, older MLA) from their `exact` flag."""
-    return step.get("alone") or ("exact" if step.get("exact") else "lossy")
 
 
 def sliding_windows(src) -> dict | None:
