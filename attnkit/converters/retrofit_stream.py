@@ -157,10 +157,14 @@ def write_outside_layers(src: Source, folder: Path, writer: ShardedWriter, out_d
 
 def held_out_metrics(src: Source, before: RowStore, after: RowStore, held_ids: torch.Tensor, device) -> dict:
     """Logits error, KL and perplexities of the retrofitted stream against the source's (closes both)."""
-    final_norm = src.ckpt.get(src.family.final_norm + ".weight", dtype=torch.float32, device=device)
-    ppl_before, metrics = measure_streams(src, {"source": before, "after": after}, ("after",), held_ids, final_norm,
-                                          lm_head_name(src), device)
+    ppl_before, metrics = _measure(src, {"source": before, "after": after}, ("after",), held_ids, device)
     return {**metrics["after"], "ppl_before": ppl_before}
+
+
+def _measure(src: Source, streams: dict[str, RowStore], stages: tuple[str, ...], ids: torch.Tensor, device):
+    """`measure_streams` on final hidden states, with the source's final norm and head."""
+    final_norm = src.ckpt.get(src.family.final_norm + ".weight", dtype=torch.float32, device=device)
+    return measure_streams(src, streams, stages, ids, final_norm, lm_head_name(src), device)
 
 
 @torch.no_grad()
@@ -170,9 +174,7 @@ def streamed_ppl(src: Source, ids: torch.Tensor, scratch: Path, device) -> float
     store = embedded(src, ids, scratch / "ppl.f32")
     each_layer(src, device, lambda layer, module: store.map_(_layer_io(src, module, layer, ids.shape[1], device),
                                                              rows_per_batch(ids.shape[1]), device))
-    final_norm = src.ckpt.get(src.family.final_norm + ".weight", dtype=torch.float32, device=device)
-    ppl, _ = measure_streams(src, {"source": store}, (), ids, final_norm, lm_head_name(src), device)
-    return ppl
+    return _measure(src, {"source": store}, (), ids, device)[0]
 
 
 def write_config(src: Source, config, model_class: type, out_dtype: torch.dtype, folder: Path) -> None:
