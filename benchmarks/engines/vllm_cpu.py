@@ -325,6 +325,7 @@ def steady_decode(engine, prompts: list, steps: int, profile: bool = False, shar
     params = SamplingParams(max_tokens=steps + 4096, ignore_eos=True, temperature=0.0, detokenize=False)
     ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     lengths = dict.fromkeys(ids, 0)  # tokens generated so far, per request (cumulative outputs)
+    finished: set[str] = set()  # requests that stopped, e.g. at max_model_len while others still prefilled
     n_steps = 0
 
     def step() -> None:
@@ -333,6 +334,8 @@ def steady_decode(engine, prompts: list, steps: int, profile: bool = False, shar
         for o in engine.step():
             if o.outputs:
                 lengths[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                finished.add(o.request_id)
 
     t0 = time.perf_counter()
     for i, (rid, prompt) in enumerate(zip(ids, prompts)):
@@ -344,7 +347,7 @@ def steady_decode(engine, prompts: list, steps: int, profile: bool = False, shar
     prefill_s = time.perf_counter() - t0
     start, first_steps = dict(lengths), n_steps
     t1 = time.perf_counter()
-    while min(lengths[r] - start[r] for r in ids) < steps and n_steps - first_steps < 50 * steps:  # bounded
+    while min(lengths[r] - start[r] for r in ids) < steps and n_steps - first_steps < 50 * steps and not finished:
         step()
     decode_s = time.perf_counter() - t1
     tokens, decode_steps = sum(lengths[r] - start[r] for r in ids), n_steps - first_steps
@@ -357,6 +360,11 @@ def steady_decode(engine, prompts: list, steps: int, profile: bool = False, shar
         engine.step()
     out = {"prefill_s": round(prefill_s, 3), "decode_steps": decode_steps, "decode_s": round(decode_s, 4),
            "decode_tokens": tokens, "decode_tok_s": tokens / decode_s if decode_s > 0 else None}
+    if finished:  # a batch that did not decode together is not a batch-B figure
+        out["decode_tok_s"] = None
+        out["error"] = (f"{len(finished)} request(s) finished before every request had {steps} new tokens "
+                        "(they reached max_model_len while later requests still prefilled: leave more room "
+                        "between the context and --max-model-len)")
     if prof is not None:  # where the decode steps' time goes (untimed steps: profiling slows them)
         out["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     return out
@@ -418,8 +426,9 @@ def _child(req_path: str, res_path: str) -> None:
         new = req["bench_tokens"]
         # warm-up: one run per batch size at the smallest context (the first prefill and decode of a shape
         # are much slower than the next ones)
+        warm = req.get("warmup_context") or min(req["contexts"])
         for batch in req["batches"]:
-            steady_decode(engine, prompts(batch, min(req["contexts"])), 4)
+            steady_decode(engine, prompts(batch, warm), 4)
         runs = []
         for ctx in req["contexts"]:
             pool = res["num_blocks"] * res["block_size"] if res["num_blocks"] else res["kv_cache_tokens"]
@@ -520,7 +529,7 @@ def run_child(venv: Path, request: dict, env: dict[str, str], log_file: Path, ti
     with tempfile.TemporaryDirectory(prefix="attnkit-vllm-") as td:
         req, res = Path(td) / "request.json", Path(td) / "result.json"
         req.write_text(json.dumps(request))
-        cmd = ["nice", "-n", "10", str(venv / "bin" / "python"), str(Path(__file__).resolve()),
+        cmd = ["nice", "-n", str(request.get("nice", 10)), str(venv / "bin" / "python"), str(Path(__file__).resolve()),
                "--_child", str(req), str(res)]
         t0 = time.time()
         with open(log_file, "w") as fh:
@@ -681,7 +690,8 @@ def bench_model(model_dir: Path, args, venv: Path, env: dict, log_dir: Path) -> 
     max_len = args.max_model_len or max(args.contexts) + args.bench_tokens
     request = {"mode": "bench", "model": str(model_dir), "dtype": args.dtype, "max_model_len": max_len,
                "enforce_eager": args.enforce_eager, "contexts": args.contexts, "batches": args.batches,
-               "bench_tokens": args.bench_tokens, "profile": args.profile, "shared_prefix": args.shared_prefix}
+               "bench_tokens": args.bench_tokens, "profile": args.profile, "shared_prefix": args.shared_prefix,
+               "warmup_context": args.warmup_context, "nice": args.nice}
     log(f"[{model_dir.name}] vLLM bench ({args.dtype}, contexts {args.contexts}, batches {args.batches}, "
         f"env {args.env_dict}) ...")
     v = run_child(venv, request, env, log_dir / f"{model_dir.name}.bench.log", args.timeout)
@@ -779,6 +789,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bench", action="store_true", help="decode tokens/s and KV capacity instead of scoring")
     ap.add_argument("--contexts", default="2048,8192,16384", help="--bench: prompt lengths")
     ap.add_argument("--batches", default="1,16", help="--bench: batch sizes")
+    ap.add_argument("--warmup-context", type=int, default=None, metavar="N",
+                    help="--bench: prompt length of the untimed warm-up run per batch size (default: the "
+                    "smallest context; a short one saves a long prefill when only long contexts are timed)")
+    ap.add_argument("--nice", type=int, default=10, help="niceness of the vLLM child (default 10: the machine "
+                    "stays usable; 0 when timing on a machine where other work runs at a higher niceness)")
     ap.add_argument("--bench-tokens", type=int, default=32, help="--bench: new tokens per request")
     ap.add_argument("--shared-prefix", action="store_true",
                     help="--bench: the batch's prompts share all but their last token and vLLM's prefix caching is on, "
@@ -818,8 +833,10 @@ def main(argv=None) -> int:
     results = []
     if args.bench:
         meta.update({"contexts": args.contexts, "batches": args.batches, "bench_tokens": args.bench_tokens,
-                     "method": ("random token ids as prompts, prefix caching off; decode tok/s = "
-                                "batch x (new tokens - 1) / (generate s - prefill-only s)")})
+                     "method": ("random token ids as prompts, prefix caching off; the requests are added "
+                                "together, the engine is stepped until each has its first token, then the "
+                                "steps until each has --bench-tokens more are timed: decode tok/s = the "
+                                "tokens of those steps / their seconds")})
         for m in args.models:
             results.append(bench_model(m.resolve(), args, venv, env, args.log_dir))
     else:
