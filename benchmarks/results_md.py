@@ -114,9 +114,9 @@ def engines_ppl() -> list[str]:
 
 
 VLLM_BENCH_COMMAND = ("python benchmarks/engines/vllm_cpu.py attnkit/assets/reference-mha out/mha-mla512 --bench "
-                      "--contexts 2048,8192,16352 --batches 1,16 --bench-tokens 16 --max-model-len 16384 "
-                      "--dtype float32 --env VLLM_CPU_KVCACHE_SPACE=5 --profile "
-                      "--out benchmarks/engines/results/vllm_bench_reference_mha.json")
+                      "--contexts 2048,8192 --batches 1,16 --bench-tokens 16 --max-model-len 16384 "
+                      "--dtype float32 --env VLLM_CPU_KVCACHE_SPACE=5 --profile\n"
+                      "# 16K: the same with --contexts 16128 --warmup-context 1024 --nice 0 (one model per run)")
 
 
 def engines_decode() -> list[str]:
@@ -144,18 +144,25 @@ def engines_decode() -> list[str]:
 
     path = ENGINES / "vllm_bench_reference_mha.json"
     data = _load(path)
-    src_runs = {(r["context"], r["batch"]): r for r in data["source_unshared"]["results"][0]["runs"]}
+    src_runs = {(r["context"], r["batch"]): r for key in ("source_unshared", "source_16k")
+                for r in data[key]["results"][0]["runs"] if r.get("decode_tok_s") and not r.get("error")}
+    mla_runs = [*data["mla_runs_from_status_lines"]["runs"], *data["mla_16k_batch1"]["results"][0]["runs"]]
     rows = []
-    for r in data["mla_runs_from_status_lines"]["runs"]:
+    for r in mla_runs:
         s = src_runs.get((r["context"], r["batch"]))
         if s is None:
             continue
         rows.append([f"{r['context']:,}", str(r["batch"]), f"{s['decode_tok_s']:.1f}", f"{r['decode_tok_s']:.1f}",
                      f"×{r['decode_tok_s'] / s['decode_tok_s']:.2f}",
                      f"{s['max_batch_that_fits']} / {r['max_batch_that_fits']}"])
+    oom = data["mla_16k_batch16_oom"]
+    s16 = src_runs[(16128, 16)]
+    rows.append(["16,128", "16", f"{s16['decode_tok_s']:.1f}", "killed (out of memory in prefill)", "—",
+                 f"{s16['max_batch_that_fits']} / {data['mla_16k_batch1']['results'][0]['runs'][0]['max_batch_that_fits']}"])
     vllm = data["source_unshared"]["meta"]["venv"]["vllm"]
-    lines += [f"{vllm} ({data['source_unshared']['meta']['dtype']}), `{path.name}` (the MLA rows are the runs' "
-              "status lines: the 16K run was stopped during its prefill):", ""]
+    lines += [f"{vllm} ({data['source_unshared']['meta']['dtype']}), `{path.name}` (sections `source_unshared`, "
+              "`source_16k`, `mla_runs_from_status_lines`, `mla_16k_batch1`; the 16K × 16 MLA run was killed: "
+              f"{oom['why']}):", ""]
     lines += _table(["context", "batch", "source decode tok/s", "MLA 512/64 decode tok/s", "MLA ÷ source",
                      "largest batch in the KV pool, source / MLA"], rows)
     return lines + ["", "```", VLLM_BENCH_COMMAND, "```"]

@@ -35,17 +35,27 @@ def _runs(section: dict) -> list[dict]:
     return [run for res in section.get("results", []) for run in res.get("runs", [])]
 
 
-def vllm_points(report: dict, source_key: str, mla_key: str) -> dict:
-    """{("vLLM", model): {(batch, context): tok/s}} for the runs in which every request decoded each step."""
+def _near(a: int, b: int) -> bool:
+    """Contexts that are the same grid point: within 2 % (vLLM's 16K is 16,128 tokens, room left before
+    max-model-len 16,384 for the tokens decoded while a batch's later requests prefill)."""
+    return abs(a - b) <= 0.02 * max(a, b)
+
+
+def vllm_points(report: dict, source_keys: str, mla_keys: str) -> dict:
+    """{("vLLM", model): {(batch, context): tok/s}} for the runs in which every request decoded each step.
+    Each model's sections (comma-separated) are read in order; a later section's point replaces an
+    earlier one at the same batch and context."""
     out = {}
-    for model, key in (("source", source_key), ("MLA", mla_key)):
-        pts = {}
-        for run in _runs(report[key]):
-            if run.get("error") or not run.get("decode_tok_s"):
-                continue
-            if run.get("decode_tokens") != run["batch"] * run.get("decode_steps", -1):
-                continue
-            pts[(run["batch"], run["context"])] = run["decode_tok_s"]
+    for model, keys in (("source", source_keys), ("MLA", mla_keys)):
+        pts: dict = {}
+        for key in keys.split(","):
+            for run in _runs(report[key]):
+                if run.get("error") or not run.get("decode_tok_s"):
+                    continue
+                if run.get("decode_tokens") != run["batch"] * run.get("decode_steps", -1):
+                    continue
+                pts = {(b, c): v for (b, c), v in pts.items() if not (b == run["batch"] and _near(c, run["context"]))}
+                pts[(run["batch"], run["context"])] = run["decode_tok_s"]
         out[("vLLM", model)] = pts
     return out
 
@@ -59,13 +69,12 @@ def llama_cpp_points(report: dict, mla_model: str | None) -> dict:
 
 
 def missing(points: dict, batches: list[int], contexts: list[int]) -> list[tuple]:
-    """(engine, model, batch, context) of every grid point with no measurement; the grid's contexts are
-    matched to a series' within 1 % (vLLM's 16K is 16,352 tokens: max-model-len 16,384 less the new ones)."""
+    """(engine, model, batch, context) of every grid point with no measurement (contexts matched by `_near`)."""
     gaps = []
     for (engine, model), pts in points.items():
         for b in batches:
             for c in contexts:
-                if not any(pb == b and abs(pc - c) <= 0.01 * c for pb, pc in pts):
+                if not any(pb == b and _near(pc, c) for pb, pc in pts):
                     gaps.append((engine, model, b, c))
     return gaps
 
@@ -124,8 +133,10 @@ def plot(points: dict, batches: list[int], contexts: list[int], out: Path, title
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm", type=Path, required=True)
-    ap.add_argument("--vllm-source", default="source_unshared", help="section of --vllm (default: %(default)s)")
-    ap.add_argument("--vllm-mla", default="mla_runs_from_status_lines", help="section of --vllm (default: %(default)s)")
+    ap.add_argument("--vllm-source", default="source_unshared,source_16k",
+                    help="sections of --vllm, comma-separated, later ones replacing earlier points (default: %(default)s)")
+    ap.add_argument("--vllm-mla", default="mla_runs_from_status_lines,mla_16k_batch1",
+                    help="sections of --vllm, as --vllm-source (default: %(default)s)")
     ap.add_argument("--llama-cpp", type=Path, required=True)
     ap.add_argument("--llama-cpp-mla", default=None, help="model name of the conversion in --llama-cpp")
     ap.add_argument("--contexts", default="2048,8192,16384")
