@@ -24,7 +24,9 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -278,16 +280,83 @@ def shard_teacher(teacher, accelerator) -> int:
 # ------------------------------------------------------------------ the run
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """The student, OUTPUT_DIR, RUN_DIR and teacher as checked: nothing has been written when one exists."""
+
+    student_path: Path
+    config: dict  # the student's config.json
+    out: Path  # OUTPUT_DIR, free to write (or to replace, with force)
+    run_dir: Path
+    latest: Path | None  # the newest complete checkpoint in RUN_DIR: the run resumes from it
+    tokenizer: Any
+    teacher_name: str | None  # also the quality reference when neither KL nor hidden loss uses it
+    teacher_path: Path | None
+    teacher_config: dict
+
+    @property
+    def trust(self) -> bool:
+        return "auto_map" in self.config
+
+
+@dataclass(frozen=True)
+class Data:
+    """The rows every process will see, in epoch order, the held-out rows, and what to do with the teacher cache."""
+
+    total_steps: int
+    rows_per_step: int  # over all processes and micro-batches
+    rows: torch.Tensor  # the distinct training rows [n, L]
+    val_rows: torch.Tensor  # [m, L], m a multiple of the process count
+    dataset: batches.EpochRows
+    cache_fp: str | None  # teacher cache: its fingerprint and plan ("build" / reuse), None without one
+    cache_plan: str | None
+
+
+@dataclass(frozen=True)
+class Training:
+    """The student as `accelerator.prepare` returned it, with what steps it and the gradients it masks."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    params: list  # the trainable parameters after prepare (FSDP2: the sharded DTensors)
+    masked: list  # FSDP: (sharded parameter, keep mask) pairs for constant latent channels
+    trainable_desc: str
+
+
 def run(recipe: Recipe, config_path: str | None = None) -> dict:
     """Train according to `recipe`, export OUTPUT_DIR, return the finetune report."""
     from accelerate.utils import set_seed
 
     accelerator, tb_note = make_accelerator(recipe)
-    main_proc, world = accelerator.is_main_process, accelerator.num_processes
     set_seed(recipe.train.seed)
     notes = [tb_note] if tb_note else []
-
     # Everything that can be refused is checked before anything is written.
+    inputs = _check_inputs(accelerator, recipe, config_path)
+    data = _plan_data(accelerator, recipe, inputs, notes)
+    sharded = _check_sharding(accelerator, recipe, notes)
+
+    teacher, cache = _teacher_or_cache(accelerator, recipe, inputs, data, notes)
+    training = _build_student(accelerator, recipe, inputs, data, notes)
+    log = _open_run_dir(accelerator, recipe, inputs.run_dir)
+    evaluate = Evaluator(accelerator, recipe, training.model, inputs.tokenizer, data.val_rows, sharded, notes)
+    trainer_state = _first_state(accelerator, recipe, inputs.latest, evaluate, teacher, cache, data.val_rows, log)
+    if recipe.loss.kl_weight == 0 and recipe.loss.hidden_weight == 0:
+        teacher = None  # named only as the quality reference; free it for training
+    data_iter = _resume(accelerator, recipe, inputs.latest, training.loader, trainer_state["step"], log)
+    began = _train(accelerator, recipe, training, data, teacher, cache, data_iter, trainer_state, log, evaluate,
+                   inputs.run_dir)
+    report = _report(accelerator, recipe, config_path, inputs, data, training, trainer_state, evaluate, log, began,
+                     notes)
+    _export(accelerator, recipe, inputs, training.model, sharded, report, log)
+    return report
+
+
+def _check_inputs(accelerator, recipe: Recipe, config_path: str | None) -> Inputs:
+    """Resolve the student and the teacher and refuse what cannot work (a missing model, OUTPUT_DIR over an
+    input, a foreign RUN_DIR, a teacher with another tokenizer or the student's own weights) before the data
+    is read and before anything is written."""
     student_path = resolve_student(recipe.model, config_path)
     config = check_causal_lm(student_path)
     trust = "auto_map" in config
@@ -295,7 +364,7 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     run_dir = recipe.resolved_run_dir
     if run_dir.resolve() == out.resolve():
         raise AttnkitError("recipe key run_dir: must differ from output_dir")
-    latest = state.open_run_dir(run_dir, recipe.fingerprint(), world, main_proc)
+    latest = state.open_run_dir(run_dir, recipe.fingerprint(), accelerator.num_processes, accelerator.is_main_process)
     tokenizer = load_tokenizer(student_path, trust)
     teacher_name = teacher_spec(recipe, student_path) if recipe.teacher else None  # also the retention reference
     teacher_path, teacher_config = check_teacher(teacher_name, tokenizer, config.get("vocab_size"))
@@ -306,119 +375,170 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
                                "nothing (set teacher_is_student_ok=true to do it anyway)")
     if recipe.loss.hidden_weight > 0:
         check_same_depth(teacher_name, teacher_config, config)
+    return Inputs(student_path, config, out, run_dir, latest, tokenizer, teacher_name, teacher_path, teacher_config)
+
+
+def _plan_data(accelerator, recipe: Recipe, inputs: Inputs, notes: list) -> Data:
+    """Read and pack the training and validation rows, and refuse too little data or a stale teacher cache
+    (its fingerprint covers the rows each step will see) while nothing is written yet."""
+    world = accelerator.num_processes
     total_steps, rows_per_step = batches.plan_steps(recipe.data, recipe.train, world)
-    rows = batches.load_train_rows(tokenizer, recipe.data, total_steps * rows_per_step)
+    rows = batches.load_train_rows(inputs.tokenizer, recipe.data, total_steps * rows_per_step)
     batches.check_enough(rows, rows_per_step, recipe.data.source)
     if len(rows) < total_steps * rows_per_step:
         notes.append(f"data: {len(rows)} distinct rows for {total_steps * rows_per_step} rows seen (several epochs)")
-    val_rows = pack_tokens(tokenizer, recipe.data.source, "validation", recipe.data.seq_len, recipe.data.val_tokens, 0)
+    val_rows = pack_tokens(inputs.tokenizer, recipe.data.source, "validation", recipe.data.seq_len,
+                           recipe.data.val_tokens, 0)
     val_rows = val_rows[: max(1, len(val_rows) // world) * world]  # equal forward counts on every process
     dataset = batches.EpochRows(rows, total_steps * rows_per_step, recipe.data.seed)
     cache_cfg, cache_fp, cache_plan = recipe.teacher_cache, None, None
-    if cache_cfg is not None and teacher_path is not None:  # refuse a stale cache before anything is written
+    if cache_cfg is not None and inputs.teacher_path is not None:  # refuse a stale cache before anything is written
         cache_fp = teacher_cache.fingerprint(
-            teacher_path, tokenizer, config.get("vocab_size"), recipe.data, rows, dataset.used_rows(),
-            recipe.loss.temperature, cache_cfg.top_k, cache_cfg.dtype,
+            inputs.teacher_path, inputs.tokenizer, inputs.config.get("vocab_size"), recipe.data, rows,
+            dataset.used_rows(), recipe.loss.temperature, cache_cfg.top_k, cache_cfg.dtype,
         )
         cache_plan = teacher_cache.plan(Path(cache_cfg.dir), cache_fp, cache_cfg.rebuild)
+    return Data(total_steps, rows_per_step, rows, val_rows, dataset, cache_fp, cache_plan)
+
+
+def _check_sharding(accelerator, recipe: Recipe, notes: list) -> bool:
+    """The last refusal (LoRA under FSDP/DeepSpeed); returns whether the student is sharded over the processes."""
     sharded = _is_sharded(accelerator)
     if sharded and recipe.train.trainable == "lora":
         raise AttnkitError("train.trainable: lora under FSDP/DeepSpeed is not supported; use DDP (recipes/accelerate/ddp.yaml)")
     if sharded and recipe.eval.tasks:
         notes.append("eval tasks skipped: they run on one process and need an unsharded model (FSDP/DeepSpeed)")
+    return sharded
 
-    cache = None
-    if cache_plan is None:  # under FSDP loaded on the CPU: only its shard goes to the device
-        teacher = load_teacher(teacher_path, teacher_config, "cpu" if _is_fsdp(accelerator) else accelerator.device)
-        if teacher is not None and _is_fsdp(accelerator):
+
+def _teacher_or_cache(accelerator, recipe: Recipe, inputs: Inputs, data: Data, notes: list):
+    """The teacher in memory (under FSDP its decoder layers sharded like the student's), or, with a teacher
+    cache, its targets on disk: (teacher, None) or (None, cache). Both None without a teacher."""
+    if data.cache_plan is None:  # under FSDP loaded on the CPU: only its shard goes to the device
+        fsdp = _is_fsdp(accelerator)
+        teacher = load_teacher(inputs.teacher_path, inputs.teacher_config, "cpu" if fsdp else accelerator.device)
+        if teacher is not None and fsdp:
             layers = shard_teacher(teacher, accelerator)
-            notes.append(f"teacher: {layers} decoder layers sharded over {world} processes (FSDP)" if layers else
-                         "teacher: replicated on every process (no decoder-layer class to shard by)")
-    else:  # the teacher runs once (main process, while the others wait), then never again
-        teacher = None
-        cache, cache_note = _open_cache(accelerator, recipe, cache_plan, cache_fp, rows, dataset.used_rows(),
-                                        val_rows, teacher_path, teacher_config, total_steps)
-        notes.append(cache_note)
-    model = load_causal_lm(student_path, trust)
-    if recipe.train.trainable == "lora":
-        model = trainable.apply_lora(model, recipe.train.lora)
+            notes.append(f"teacher: {layers} decoder layers sharded over {accelerator.num_processes} processes (FSDP)"
+                         if layers else "teacher: replicated on every process (no decoder-layer class to shard by)")
+        return teacher, None
+    # the teacher runs once (main process, while the others wait), then never again
+    cache, cache_note = _open_cache(accelerator, recipe, data.cache_plan, data.cache_fp, data.rows,
+                                    data.dataset.used_rows(), data.val_rows, inputs.teacher_path,
+                                    inputs.teacher_config, data.total_steps)
+    notes.append(cache_note)
+    return None, cache
+
+
+def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, notes: list) -> Training:
+    """Load the student, choose what trains (or wrap it in LoRA), build AdamW, the LR schedule and the data
+    loader, and hand all four to `accelerator.prepare` (DDP/FSDP/DeepSpeed wrapping, data sharding)."""
+    t = recipe.train
+    model = load_causal_lm(inputs.student_path, inputs.trust)
+    if t.trainable == "lora":
+        model = trainable.apply_lora(model, t.lora)
     else:
-        trainable.select_trainable(model, recipe.train.trainable, recipe.train.patterns)
+        trainable.select_trainable(model, t.trainable, t.patterns)
     protected = trainable.protect_constant_channels(model)
     if protected:
         notes.append(f"{protected} constant MLA latent channel(s) kept frozen (their gradients are zeroed)")
     masks = trainable.grad_masks(model)  # by name: FSDP replaces the parameters their hooks are on
     trainable_desc = trainable.describe(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=recipe.train.lr, betas=tuple(recipe.train.betas), weight_decay=recipe.train.weight_decay
-    )
-    t = recipe.train
-    scheduler = build_scheduler(optimizer, total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio, t.decay_fraction)
-    loader = batches.train_loader(dataset, t.per_device_batch_size)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    scheduler = build_scheduler(optimizer, data.total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio,
+                                t.decay_fraction)
+    loader = batches.train_loader(data.dataset, t.per_device_batch_size)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
     masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
+    return Training(model, optimizer, scheduler, loader, params, masked, trainable_desc)
 
-    if main_proc:
-        state.claim_run_dir(run_dir, recipe.fingerprint(), world)
+
+def _open_run_dir(accelerator, recipe: Recipe, run_dir: Path) -> RunLog:
+    """The first write: RUN_DIR stamped with this run (main process; the others wait), then the run's log."""
+    if accelerator.is_main_process:
+        state.claim_run_dir(run_dir, recipe.fingerprint(), accelerator.num_processes)
     accelerator.wait_for_everyone()
     if accelerator.log_with:
         accelerator.init_trackers("tensorboard")
-    log = RunLog(run_dir / "log.jsonl", accelerator)
+    return RunLog(run_dir / "log.jsonl", accelerator)
 
-    def evaluate(tasks: bool) -> dict:
-        total, count = measure.validation_loss(
-            model, val_rows, t.per_device_batch_size, accelerator.device, accelerator.process_index, world
-        )
+
+@dataclass(frozen=True)
+class Evaluator:
+    """The student's validation loss on the held-out rows (all processes), and the eval tasks (main process,
+    unsharded models only) when asked: the same measure before, during and after training."""
+
+    accelerator: Any
+    recipe: Recipe
+    model: Any
+    tokenizer: Any
+    val_rows: torch.Tensor
+    sharded: bool
+    notes: list  # a task's note is added once
+
+    def __call__(self, tasks: bool) -> dict:
+        accelerator, recipe = self.accelerator, self.recipe
+        total, count = measure.validation_loss(self.model, self.val_rows, recipe.train.per_device_batch_size,
+                                               accelerator.device, accelerator.process_index,
+                                               accelerator.num_processes)
         result = {"validation": measure.reduce_loss(accelerator, total, count)}
-        if tasks and recipe.eval.tasks and not sharded:
-            if main_proc:
-                found, note = measure.eval_tasks(accelerator.unwrap_model(model), tokenizer, recipe.eval.tasks, recipe.eval.limit)
-                if note and note not in notes:
-                    notes.append(note)
+        if tasks and recipe.eval.tasks and not self.sharded:
+            if accelerator.is_main_process:
+                found, note = measure.eval_tasks(accelerator.unwrap_model(self.model), self.tokenizer,
+                                                 recipe.eval.tasks, recipe.eval.limit)
+                if note and note not in self.notes:
+                    self.notes.append(note)
                 if found:
                     result.update(found.get("metrics", found))
             accelerator.wait_for_everyone()
         return result
 
+
+def _first_state(accelerator, recipe: Recipe, latest: Path | None, evaluate: Evaluator, teacher, cache,
+                 val_rows: torch.Tensor, log: RunLog) -> dict:
+    """The trainer state to start from: the checkpoint's when resuming, else step 0 with the student's
+    evaluation before training and the teacher's validation loss (the target it heals toward)."""
     trainer_state = {"step": 0, "tokens_seen": 0, "loss_curve": [], "eval_curve": [], "eval_before": None, "seconds": 0.0}
     if latest is not None:
-        trainer_state = state.read_trainer_state(latest)
-    else:
-        trainer_state["eval_before"] = evaluate(tasks=True)
-        if teacher is not None:  # the target the student heals toward, on the same held-out rows
-            total, count = measure.validation_loss(
-                teacher, val_rows, t.per_device_batch_size, accelerator.device, accelerator.process_index, world
-            )
-            trainer_state["eval_teacher"] = {"validation": measure.reduce_loss(accelerator, total, count)}
-        elif cache is not None:  # measured when the cache was built, on the same rows if they match
-            trainer_state["eval_teacher"] = cache.teacher_validation(teacher_cache.rows_digest(val_rows))
-        log.write({"event": "eval", "step": 0, **_flat(trainer_state["eval_before"])})
-    if recipe.loss.kl_weight == 0 and recipe.loss.hidden_weight == 0:
-        teacher = None  # named only as the quality reference; free it for training
-    start = trainer_state["step"]
-    data_iter = _started(accelerator.skip_first_batches(loader, start * t.grad_accum))
+        return state.read_trainer_state(latest)
+    trainer_state["eval_before"] = evaluate(tasks=True)
+    if teacher is not None:  # the target the student heals toward, on the same held-out rows
+        total, count = measure.validation_loss(
+            teacher, val_rows, recipe.train.per_device_batch_size, accelerator.device, accelerator.process_index,
+            accelerator.num_processes,
+        )
+        trainer_state["eval_teacher"] = {"validation": measure.reduce_loss(accelerator, total, count)}
+    elif cache is not None:  # measured when the cache was built, on the same rows if they match
+        trainer_state["eval_teacher"] = cache.teacher_validation(teacher_cache.rows_digest(val_rows))
+    log.write({"event": "eval", "step": 0, **_flat(trainer_state["eval_before"])})
+    return trainer_state
+
+
+def _resume(accelerator, recipe: Recipe, latest: Path | None, loader, start: int, log: RunLog):
+    """The batches from step `start` on, and, when resuming, the checkpoint's model, optimizer, scheduler
+    and RNG states restored after the loader drew its seed, so the run continues bit for bit."""
+    data_iter = _started(accelerator.skip_first_batches(loader, start * recipe.train.grad_accum))
     if latest is not None:  # after the loader drew its seed, so the restored RNG continues exactly
         state.restore(accelerator, latest)
         log.write({"event": "resume", "from": str(latest), "step": start})
-    tokens_per_step = rows_per_step * recipe.data.seq_len
+    return data_iter
 
-    progress = _progress(main_proc, start, total_steps)
-    model.train()
+
+def _train(accelerator, recipe: Recipe, training: Training, data: Data, teacher, cache, data_iter,
+           trainer_state: dict, log: RunLog, evaluate: Evaluator, run_dir: Path) -> float:
+    """The optimizer steps from the trainer state's step to the last, with the loss logged every
+    `log.every`, the validation loss every `eval.every` and a checkpoint every `checkpoint.every` steps.
+    Updates `trainer_state`; returns the perf_counter the run's seconds count from (resumes included)."""
+    start, total_steps = trainer_state["step"], data.total_steps
+    tokens_per_step = data.rows_per_step * recipe.data.seq_len
+    progress = _progress(accelerator.is_main_process, start, total_steps)
+    training.model.train()
     began = time.perf_counter() - trainer_state["seconds"]
     window_start, window_tokens = time.perf_counter(), 0
     for step in range(start, total_steps):
-        broadcast_step(model, step, total_steps)
-        if teacher is not None:
-            broadcast_step(teacher, step, total_steps)
-        try:
-            parts = _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe,
-                                    step, masked)
-        except AttnkitError:
-            if progress is not None:  # the bar's last line before the error's, not after it
-                progress.close()
-            raise
+        parts = _step(accelerator, recipe, training, teacher, cache, data_iter, step, total_steps, progress)
         trainer_state["step"] = step + 1
         trainer_state["tokens_seen"] += tokens_per_step
         window_tokens += tokens_per_step
@@ -426,7 +546,8 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
         if done % recipe.log.every == 0 or done == total_steps:
             rate = window_tokens / max(1e-9, time.perf_counter() - window_start)
             window_start, window_tokens = time.perf_counter(), 0
-            entry = {"step": done, "tokens": trainer_state["tokens_seen"], "lr": scheduler.get_last_lr()[0], "tokens_per_s": round(rate, 1), **parts}
+            entry = {"step": done, "tokens": trainer_state["tokens_seen"], "lr": training.scheduler.get_last_lr()[0],
+                     "tokens_per_s": round(rate, 1), **parts}
             trainer_state["loss_curve"].append([done, round(parts["loss"], 6)])
             log.write(entry)
             if progress is not None:
@@ -442,42 +563,70 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
             progress.update(1)
     if progress is not None:
         progress.close()
+    return began
 
+
+def _step(accelerator, recipe: Recipe, training: Training, teacher, cache, data_iter, step: int, total_steps: int,
+          progress) -> dict:
+    """One optimizer step after telling step-scheduled modules the step; on a refusal (divergence) the
+    progress bar closes first, so its last line comes before the error's, not after it."""
+    broadcast_step(training.model, step, total_steps)
+    if teacher is not None:
+        broadcast_step(teacher, step, total_steps)
+    try:
+        return _optimizer_step(accelerator, training.model, teacher, cache, data_iter, training.optimizer,
+                               training.scheduler, training.params, recipe, step, training.masked)
+    except AttnkitError:
+        if progress is not None:  # the bar's last line before the error's, not after it
+            progress.close()
+        raise
+
+
+def _report(accelerator, recipe: Recipe, config_path: str | None, inputs: Inputs, data: Data, training: Training,
+            trainer_state: dict, evaluate: Evaluator, log: RunLog, began: float, notes: list) -> dict:
+    """The student's evaluation after training (logged, and the eval curve's last point) and the finetune
+    report: the recipe, what was trained on how many tokens, the curves and the evaluations."""
+    total_steps = data.total_steps
     eval_after = evaluate(tasks=True)
     log.write({"event": "eval", "step": total_steps, **_flat(eval_after)})
     trainer_state["eval_curve"].append([total_steps, trainer_state["tokens_seen"], eval_after["validation"]["loss"]])
-    report = {
+    return {
         "attnkit_version": __version__,
         "recipe": {"config": str(config_path) if config_path else None, **recipe.to_dict()},
         "base_model": recipe.model,
-        "base_model_path": str(student_path),
-        "teacher": teacher_name,
-        "teacher_path": str(teacher_path) if teacher_path else None,
+        "base_model_path": str(inputs.student_path),
+        "teacher": inputs.teacher_name,
+        "teacher_path": str(inputs.teacher_path) if inputs.teacher_path else None,
         "tokens_seen": trainer_state["tokens_seen"],
         "steps": total_steps,
-        "processes": world,
+        "processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "seconds": round(time.perf_counter() - began, 1),
         "loss_curve": trainer_state["loss_curve"],
         "eval_curve": trainer_state["eval_curve"],
         "eval_before": trainer_state["eval_before"],
         "eval_after": eval_after,
-        "validation_text": {"rows": int(len(val_rows)), "seq_len": recipe.data.seq_len},  # what validation ppl is on
+        "validation_text": {"rows": int(len(data.val_rows)), "seq_len": recipe.data.seq_len},  # what validation ppl is on
         "eval_teacher": trainer_state.get("eval_teacher"),
-        "trainable": f"{recipe.train.trainable}: {trainable_desc}",
-        "load": {"trust_remote_code": trust},
+        "trainable": f"{recipe.train.trainable}: {training.trainable_desc}",
+        "load": {"trust_remote_code": inputs.trust},
         "notes": notes,
     }
+
+
+def _export(accelerator, recipe: Recipe, inputs: Inputs, model, sharded: bool, report: dict, log: RunLog) -> None:
+    """Write OUTPUT_DIR on the main process: the healed model (LoRA merged if asked; gathered first under
+    FSDP/DeepSpeed, a collective every process joins), its tokenizer and the report; then end the run."""
     accelerator.wait_for_everyone()
     full_state = accelerator.get_state_dict(model) if sharded else None  # gathered; a collective call
-    if main_proc:
+    if accelerator.is_main_process:
         healed = final_model(accelerator.unwrap_model(model), recipe.train.lora.merge)
-        save_healed(healed, tokenizer, student_path, out, recipe.force, input_dtype(config), report, full_state)
-        log.write({"event": "saved", "output_dir": str(out)})
+        save_healed(healed, inputs.tokenizer, inputs.student_path, inputs.out, recipe.force,
+                    input_dtype(inputs.config), report, full_state)
+        log.write({"event": "saved", "output_dir": str(inputs.out)})
         print(finished_line(recipe.output_dir, report), flush=True)
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return report
 
 
 def _open_cache(accelerator, recipe, plan, fp, rows, used, val_rows, teacher_path, teacher_config, total_steps):
