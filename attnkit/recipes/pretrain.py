@@ -171,7 +171,69 @@ def _autocast(device: torch.device, enabled: bool):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
+@dataclass(frozen=True)
+class Batches:
+    """Which rows each step trains on, fixed by the seed so that a resumed run sees the same batches: the
+    rows in a new random order each epoch, then, for the last `long_fraction` of steps, k neighbouring rows
+    (consecutive chunks of one packed stream) joined into one long row, `batch_size // k` of them a step."""
+
+    train_rows: torch.Tensor  # [n, seq_len]
+    order: torch.Tensor  # row indices, epoch after epoch
+    k: int  # rows per long row
+    groups: int  # long rows available
+    long_rows: torch.Tensor  # [groups, k * seq_len]
+    long_order: torch.Tensor
+    long_batch: int
+    batch_size: int
+    long_start: int  # the first step on long rows
+
+    @classmethod
+    def plan(cls, recipe: PretrainRecipe, train_rows: torch.Tensor) -> Batches:
+        t = recipe.train
+        needed = t.steps * t.batch_size
+        generator = torch.Generator().manual_seed(recipe.seed)
+        epochs = math.ceil(needed / len(train_rows))
+        order = torch.cat([torch.randperm(len(train_rows), generator=generator) for _ in range(epochs)])
+        k = max(1, t.long_seq_len // t.seq_len)
+        groups = len(train_rows) // k
+        long_rows = train_rows[: groups * k].reshape(groups, k * t.seq_len)  # [groups, k*seq_len]
+        long_order = torch.randperm(groups, generator=generator)
+        long_batch = max(1, t.batch_size // k)
+        return cls(train_rows, order, k, groups, long_rows, long_order, long_batch, t.batch_size, t.long_start)
+
+    def at(self, step: int) -> torch.Tensor:
+        """The input ids of optimizer step `step` (0-based): [batch_size, seq_len] or [long_batch, k*seq_len]."""
+        if step < self.long_start:
+            return self.train_rows[self.order[step * self.batch_size : (step + 1) * self.batch_size]]
+        j = (step - self.long_start) * self.long_batch
+        return self.long_rows[self.long_order[j % self.groups : j % self.groups + self.long_batch]]
+
+
 def train(recipe: PretrainRecipe) -> dict:
+    """Pretrain according to `recipe` (resuming from RUN_DIR's checkpoint if any), export EXPORT_DIR and
+    return the training summary."""
+    t = recipe.train
+    run_dir, device = _open_run_dir(recipe)
+    tokenizer = _tokenizer(recipe, run_dir)
+    train_rows, val_rows = _tokens(recipe, tokenizer, run_dir)
+    print(f"corpus: {train_rows.numel():,} train tokens, {val_rows.numel():,} validation tokens; {t.steps} steps")
+
+    torch.manual_seed(recipe.seed)
+    model = build_model(recipe.model, tokenizer).to(device)
+    optimizer, scheduler = _optimizer(model, t)
+    rows = Batches.plan(recipe, train_rows)
+    ckpt_path = run_dir / "checkpoint.pt"
+    step, log = _resume(ckpt_path, model, optimizer, scheduler)
+    started = _train_steps(t, model, optimizer, scheduler, rows, val_rows[: t.eval_rows], device, ckpt_path, step, log)
+    (run_dir / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+    summary = _summary(recipe, model, train_rows, val_rows, device, rows.k, started)
+    export(model, tokenizer, recipe, summary)
+    return summary
+
+
+def _open_run_dir(recipe: PretrainRecipe) -> tuple[Path, torch.device]:
+    """Refuse an export folder the export may not replace, a missing device or RUN_DIR of another recipe
+    before half an hour of training; then create RUN_DIR and stamp it with the recipe."""
     t = recipe.train
     _check_export_dir(Path(recipe.export_dir), Path(recipe.run_dir), recipe.corpus)  # before half an hour of training
     run_dir = Path(recipe.run_dir)
@@ -184,22 +246,24 @@ def train(recipe: PretrainRecipe) -> dict:
     if saved_recipe.is_file() and json.loads(saved_recipe.read_text()) != json.loads(recipe_json):
         raise AttnkitError(f"{run_dir} holds a run with a different recipe; choose another run_dir")
     saved_recipe.write_text(recipe_json)
+    return run_dir, device
 
+
+def _tokenizer(recipe: PretrainRecipe, run_dir: Path):
+    """The run's tokenizer: trained on the corpus once, then read back from RUN_DIR/tokenizer."""
     tok_dir = run_dir / "tokenizer"
     if (tok_dir / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-    else:
-        print("training the tokenizer …")
-        tokenizer = train_tokenizer(recipe.corpus, recipe.tokenizer)
-        tokenizer.save_pretrained(tok_dir)
-    train_rows, val_rows = _tokens(recipe, tokenizer, run_dir)
-    needed = t.steps * t.batch_size
-    print(f"corpus: {train_rows.numel():,} train tokens, {val_rows.numel():,} validation tokens; {t.steps} steps")
+        return PreTrainedTokenizerFast.from_pretrained(tok_dir)
+    print("training the tokenizer …")
+    tokenizer = train_tokenizer(recipe.corpus, recipe.tokenizer)
+    tokenizer.save_pretrained(tok_dir)
+    return tokenizer
 
-    torch.manual_seed(recipe.seed)
-    model = build_model(recipe.model, tokenizer).to(device)
+
+def _optimizer(model, t: TrainSpec):
+    """AdamW (weight decay on matrices only) and the cosine schedule with warmup down to min_lr_ratio."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -210,39 +274,30 @@ def train(recipe: PretrainRecipe) -> dict:
         betas=(0.9, 0.95),
     )
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, t.warmup_steps, t.steps, min_lr_rate=t.min_lr_ratio)
-    # Row order for every epoch, fixed by the seed, so a resumed run sees the same batches.
-    generator = torch.Generator().manual_seed(recipe.seed)
-    epochs = math.ceil(needed / len(train_rows))
-    order = torch.cat([torch.randperm(len(train_rows), generator=generator) for _ in range(epochs)])
+    return optimizer, scheduler
 
-    # Rows are consecutive chunks of one packed stream, so k neighbouring rows form one long row.
-    k = max(1, t.long_seq_len // t.seq_len)
-    groups = len(train_rows) // k
-    long_rows = train_rows[: groups * k].reshape(groups, k * t.seq_len)  # [groups, k*seq_len]
-    long_order = torch.randperm(groups, generator=generator)
-    long_batch = max(1, t.batch_size // k)
 
-    ckpt_path = run_dir / "checkpoint.pt"
-    step, log = 0, []
-    if ckpt_path.is_file():
-        ckpt = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        step, log = ckpt["step"], ckpt["log"]
-        print(f"resuming from step {step}")
+def _resume(ckpt_path: Path, model, optimizer, scheduler) -> tuple[int, list]:
+    """The step and log to continue from: the checkpoint's (its states loaded into the three), else 0 and []."""
+    if not ckpt_path.is_file():
+        return 0, []
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    print(f"resuming from step {ckpt['step']}")
+    return ckpt["step"], ckpt["log"]
 
-    val_eval = val_rows[: t.eval_rows]
+
+def _train_steps(t: TrainSpec, model, optimizer, scheduler, rows: Batches, val_eval: torch.Tensor, device,
+                 ckpt_path: Path, step: int, log: list) -> float:
+    """The optimizer steps from `step` to the last, appending to `log` (the loss each step, the validation
+    loss every `eval_every`) and checkpointing every `save_every`; returns the time training (re)started."""
     bar = tqdm(total=t.steps, initial=step, desc="pretrain", unit="step")
     started, tokens_per_step = time.time(), t.batch_size * t.seq_len
     model.train()
     while step < t.steps:
-        if step < t.long_start:
-            x = train_rows[order[step * t.batch_size : (step + 1) * t.batch_size]]
-        else:
-            j = (step - t.long_start) * long_batch
-            x = long_rows[long_order[j % groups : j % groups + long_batch]]
-        x = x.to(device)
+        x = rows.at(step).to(device)
         with _autocast(device, t.autocast_bf16):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -260,23 +315,35 @@ def train(recipe: PretrainRecipe) -> dict:
         bar.set_postfix(loss=f"{loss.item():.3f}", val=entry.get("val_loss", ""), tok_s=f"{rate:,.0f}")
         bar.update(1)
         if step % t.save_every == 0 or step == t.steps:
-            tmp = ckpt_path.with_suffix(".tmp")
-            torch.save(
-                {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "step": step, "log": log},
-                tmp,
-            )
-            tmp.replace(ckpt_path)
+            _save_checkpoint(ckpt_path, model, optimizer, scheduler, step, log)
     bar.close()
-    (run_dir / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+    return started
+
+
+def _save_checkpoint(ckpt_path: Path, model, optimizer, scheduler, step: int, log: list) -> None:
+    """Model, optimizer and schedule states with the step and log, replacing the last checkpoint atomically."""
+    tmp = ckpt_path.with_suffix(".tmp")
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+         "scheduler": scheduler.state_dict(), "step": step, "log": log},
+        tmp,
+    )
+    tmp.replace(ckpt_path)
+
+
+def _summary(recipe: PretrainRecipe, model, train_rows: torch.Tensor, val_rows: torch.Tensor, device, k: int,
+             started: float) -> dict:
+    """The trained model's loss on the whole validation split in fp32, at seq_len and in k×seq_len windows,
+    with what it was trained on: training_summary.json and the model card's figures."""
+    t = recipe.train
     val_loss = evaluate_loss(model, val_rows, device)  # whole validation split, fp32
     kv = len(val_rows) // k
     val_long = val_rows[: kv * k].reshape(kv, k * t.seq_len)
     val_loss_long = evaluate_loss(model, val_long, device, batch=4)
-    summary = {
+    return {
         "corpus": recipe.corpus,
         "train_tokens_available": int(train_rows.numel()),
-        "tokens_seen": int(t.steps * tokens_per_step),
+        "tokens_seen": int(t.steps * (t.batch_size * t.seq_len)),
         "steps": t.steps,
         "validation_tokens": int(val_rows.numel()),
         "validation_loss": round(val_loss, 4),
@@ -286,8 +353,6 @@ def train(recipe: PretrainRecipe) -> dict:
         "device": str(device),
         "seconds": round(time.time() - started, 1),
     }
-    export(model, tokenizer, recipe, summary)
-    return summary
 
 
 def export(model, tokenizer, recipe: PretrainRecipe, summary: dict) -> None:
