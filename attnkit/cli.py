@@ -42,86 +42,29 @@ def _int_list(text: str) -> list[int]:
 
 
 def _add_convert(sub) -> None:
+    """The options come from the option classes (`attnkit/options.py`): the common ones, then one group
+    per class the registered methods read (`attnkit/registry.py`)."""
+    from attnkit import registry
+    from attnkit.converters.options import ConvertOptions
+    from attnkit.options import add_arguments
+
+    methods = registry.methods()
     p = sub.add_parser(
         "convert",
         help="rewrite a checkpoint's attention (MLA, DEX, DIFF, fewer KV heads)",
-        description="Rewrite the attention of MODEL and write a new checkpoint into OUT (atomically).",
+        description="Rewrite the attention of MODEL and write a new checkpoint into OUT (atomically).\n\nmethods:\n"
+        + "\n".join(f"  {m.name:<11} {m.help}" for m in methods.values()),
         epilog="example:\n  attnkit convert --to mla reference -o out/ref-mla --kv-lora-rank 28 --rope-dim 48 --eval\n"
         "  attnkit convert --to dex reference -o out/ref-dex --heads auto\n"
         "  attnkit convert --to gqa reference -o out/ref-mqa --kv-heads 1",
     )
-    p.add_argument("--to", required=True, choices=["mla", "dex", "diff", "mla+dex", "titans", "mla+titans", "gqa"], help="target attention")
+    p.add_argument("--to", required=True, choices=list(methods), help="target attention (see methods above)")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output folder (must be empty or absent)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="output dtype (default: source's)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the conversion math runs")
-    p.add_argument(
-        "--calib",
-        default="python",
-        metavar="SOURCE",
-        help="calibration text: python (stdlib), python+site, a .txt/.jsonl file or folder, hf:NAME[:CONFIG][:SPLIT]",
-    )
-    p.add_argument("--calib-tokens", type=int, default=65536, metavar="N", help="calibration tokens (default 65536)")
-    p.add_argument("--calib-seq-len", type=int, default=512, metavar="L", help="calibration sequence length")
-    p.add_argument("--seed", type=int, default=0, help="seed for calibration sampling")
-    p.add_argument("--eval", action="store_true", help="then evaluate OUT against MODEL in the same process, as "
-                   "`attnkit eval OUT --baseline MODEL --tasks TASKS --out OUT/eval_results.json` would (the model "
-                   "card states it)")
-    p.add_argument("--tasks", default="attnkit-quick", metavar="TASKS", help="lm-eval tasks of --eval (as for attnkit eval)")
-    p.add_argument("--limit", type=int, default=None, metavar="N",
-                   help="--eval: at most N documents per task (as for attnkit eval; quick checks)")
-    mla = p.add_argument_group("MLA (--to mla)")
-    mla.add_argument("--kv-lora-rank", type=int, default=None, metavar="R", help="latent rank r (default 512, clipped for small models)")
-    mla.add_argument("--rope-dim", type=int, default=None, metavar="DR", help="decoupled RoPE dim d_r, even (default 64, clipped)")
-    mla.add_argument("--rope-method", choices=["rorope", "partial"], default="rorope", help="how RoPE is reduced to d_r dims")
-    mla.add_argument("--rope-score", choices=["energy", "loss"], default=None, help="how rorope's components are ranked "
-                     "for the d_r RoPE slots: energy = key energy; loss = the score error NoPE'ing a component leaves "
-                     "after the query refit (default: loss with exact frequencies, energy on a plain ladder)")
-    mla.add_argument(
-        "--target",
-        choices=["engines", "transformers"],
-        default="engines",
-        help="engines: a DeepSeek-V3 checkpoint within what llama.cpp, vLLM and SGLang implement (no attention biases, "
-        "interleaved RoPE, a plain RoPE ladder); transformers: exact at full size, runs in transformers only",
-    )
-    mla.add_argument(
-        "--format",
-        choices=["attnkit", "deepseek_v3"],
-        default=None,
-        help="deepseek_v3: a plain DeepSeek-V3 checkpoint (default for Llama/Qwen2/Mistral/Phi-3; for QK-norm families "
-        "the norms are folded to constant scales: lossy, measured); attnkit: MLA with the source's QK norms applied "
-        "before compression, exact, custom code (trust_remote_code; default for Qwen3)",
-    )
-    mla.add_argument(
-        "--rope-frequencies",
-        choices=["ladder", "exact", "geometric"],
-        default=None,
-        help="ladder (default with --target engines): every k-th source frequency, a plain theta ladder; exact (default "
-        "with --target transformers): each kept component at its source frequency (longrope factors); geometric: plain "
-        "ladder with folding",
-    )
-    mla.add_argument("--v-head-dim", type=int, default=None, metavar="N", help="value head size written, >= head_dim: zero-padded, exact, the cache unchanged (e.g. 128 for a head_dim-64 source, which vLLM's CUDA prefill kernels need); default head_dim")
-    mla.add_argument("--objective", choices=["kv", "attention"], default="attention", help="latent PCA metric: kv = balanced K/V energy; attention = query-weighted keys, o_proj-weighted values")
-    mla.add_argument("--eval-tokens", type=int, default=4096, metavar="N", help="held-out tokens for the per-step error report")
-    mla.add_argument("--report", choices=["steps", "final"], default="steps", help="steps: run every conversion step end to end on the held-out text (the per-step table); final: only the written model (same tensors; with QK norms folded also the norm step), faster")
-    mla.add_argument("--kv-budget", type=float, default=None, metavar="F", help="KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, --rope-dim) split is chosen by measuring candidate conversions on held-out text")
-    mla.add_argument("--engine-sizes", choices=["vllm", "vllm-cpu"], default=None, help="with --kv-budget: measure only the splits vLLM's MLA kernels take (rope dim 64, kv_lora_rank + rope dim 320/512/576; vllm-cpu: 576), the best one within the budget")
-    mla.add_argument("--refit-query", action=argparse.BooleanOptionalAction, default=True, help="least-squares refit of the NoPE query to the source's RoPE'd scores (report stage 'refit'; default on, measured better)")
-    mla.add_argument("--refit-weights", choices=["attention", "uniform"], default="attention", help="distances the refit averages RoPE over: the source's attention mass, or uniform over causal pairs")
-    titans = p.add_argument_group("Titans (--to titans): window attention + neural long-term memory, Memory as Gate")
-    titans.add_argument("--window", type=int, default=128, metavar="W", help="tokens the attention still sees (default 128)")
-    titans.add_argument("--chunk", type=int, default=16, metavar="C", help="tokens the memory reads per update, <= W (default 16)")
-    titans.add_argument("--memory-depth", type=int, default=2, metavar="N", help="layers of the memory MLP (default 2; 0 = the window alone, no memory: the baseline)")
-    titans.add_argument("--memory-dim", type=int, default=None, metavar="M", help="memory key/value size per head (default: head_dim)")
-    titans.add_argument("--variant", choices=["mag", "mal"], default="mag", help="how memory and attention combine: mag = Memory as Gate (mal, Memory as a Layer: not implemented, refused)")
-    gqa = p.add_argument_group("GQA (--to gqa)")
-    gqa.add_argument("--kv-heads", type=int, default=None, metavar="N", help="KV heads per layer of the output (divides the source's)")
-    gqa.add_argument("--merge", choices=["aligned", "mean"], default="aligned", help="aligned: Procrustes-aligned heads, "
-                     "similarity groups, weighted merge, o_proj refit; mean: contiguous groups, plain mean")
-    dex = p.add_argument_group("DEX (--to dex)")
-    dex.add_argument("--heads", default="auto", help="auto | all | FRACTION in (0, 1]: heads that get the differential op")
-    dex.add_argument("--heads-fraction", type=float, default=0.5, help="fraction of heads per layer that `auto` selects")
+    add_arguments(p, ConvertOptions)
+    for cls in registry.option_classes():
+        if cls.GROUP:
+            add_arguments(p.add_argument_group(cls.GROUP), cls)
 
 
 def _add_recipe_args(p: argparse.ArgumentParser, example: str) -> None:
@@ -301,9 +244,25 @@ def check_arguments(args: argparse.Namespace) -> None:
         _at_least(args, "limit", 1, "a positive number of documents per task (leave it out for all)")
         if args.limit is not None and not args.eval:
             raise AttnkitError("--limit applies to --eval (the evaluation after the conversion)")
-        for flag, value, default in (("--heads", args.heads, "auto"), ("--heads-fraction", args.heads_fraction, 0.5)):
-            if value != default and args.to not in ("dex", "mla+dex"):
-                raise AttnkitError(f"{flag} applies to --to dex and --to mla+dex, not --to {args.to}")
+        check_method_options(args)
+
+
+def check_method_options(args: argparse.Namespace) -> None:
+    """An option of another method is refused, not ignored; each option class of the method checks its
+    values (`check()`), before any model is looked at."""
+    from attnkit import registry
+    from attnkit.options import from_namespace, given
+
+    method = registry.get(args.to)
+    for cls in registry.option_classes():
+        if cls in method.configs:
+            settings = from_namespace(cls, args)
+            if hasattr(settings, "check"):
+                settings.check()
+            continue
+        for flag in given(cls, args):
+            users = registry.users_of(cls)
+            raise AttnkitError(f"{flag} applies to {' and '.join(f'--to {u}' for u in users)}, not --to {args.to}")
 
 
 def _claim(args: argparse.Namespace):
@@ -320,12 +279,18 @@ def _claim(args: argparse.Namespace):
     return claim_output(args.out)
 
 
+def run(args: argparse.Namespace):
+    """A parsed command, checked and run: what `main` does short of turning errors into exit statuses
+    (the Python API calls it with the namespace it builds)."""
+    check_arguments(args)
+    with _claim(args):
+        return load_handler(HANDLERS[args.command], f"attnkit {args.command}")(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        check_arguments(args)
-        with _claim(args):
-            result = load_handler(HANDLERS[args.command], f"attnkit {args.command}")(args)
+        result = run(args)
     except AttnkitError as exc:
         print(f"attnkit: error: {exc}", file=sys.stderr)
         return 2

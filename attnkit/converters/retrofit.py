@@ -76,9 +76,10 @@ def retrofit(args: argparse.Namespace, method: RetrofitMethod, source_path: Path
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises OSError/ValueError/… for a missing tokenizer
         raise AttnkitError(f"cannot load the tokenizer of {args.model} (needed for calibration): {str(exc).splitlines()[0]}") from None
+    held_rows = max(1, (args.eval_tokens or EVAL_ROWS * args.calib_seq_len) // args.calib_seq_len)
     calib, evaluation, held_note = calibration_tokens(tokenizer, args.calib, args.calib_seq_len, args.calib_tokens,
-                                                      EVAL_ROWS * args.calib_seq_len, args.seed)
-    evaluation = evaluation[:EVAL_ROWS]
+                                                      held_rows * args.calib_seq_len, args.seed)
+    evaluation = evaluation[:held_rows]
     out_dtype = DTYPES[args.dtype] if args.dtype else source_dtype(src.ckpt)
     config_class, model_class = CLASSES[model_type]
     with atomic_output_dir(args.out, args.force, (path,)) as tmp:
@@ -227,6 +228,8 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def _summary(report: dict, out: str) -> str:
+    from attnkit import registry
+
     step = report["steps"][-1]
     # after MLA (`mla+…`) the inserted modules are exact on the MLA model, while the perplexity's "before" is
     # the user's model: the change is the MLA step's, not this one's
@@ -239,16 +242,10 @@ def _summary(report: dict, out: str) -> str:
         f"{held_out(report.get('calibration'))} {report['ppl']['before']:.3f} -> {report['ppl']['after']:.3f}{lossy}",
         "  " + kv_change(report["kv_cache_bytes_per_token"]),  # before: the user's model, also for mla+dex
     ]
-    if "titans" in report:
-        from attnkit.evaluation.kv import bounded_state_note
-
-        lines[-1] += f"; {bounded_state_note(report['titans'])}"
-    if "heads" in report:
-        sel = report["heads"]["selected"]
-        lines.append(f"  DEX heads per layer: {[len(s) for s in sel]} of {report['heads']['num_heads']} ({report['heads']['rule']})")
-    if "titans" in report:
-        t = report["titans"]
-        state = ", ".join(f"{b:,} B at {n}" for n, b in zip(t["state_bytes"]["contexts"], t["state_bytes"]["bytes"]))
-        lines.append(f"  Titans: window {t['window']}, chunk {t['chunk']}, memory depth {t['memory_depth']} x dim "
-                     f"{t['memory_dim']}; whole cache after a forward pass (fp32): {state} tokens")
+    method = registry.get(report["method"])
+    if method.summary:  # the method's own lines; a note on its cache goes on the KV line
+        kv_note, extra = registry.load(method.summary)(report)
+        if kv_note:
+            lines[-1] += f"; {kv_note}"
+        lines += [f"  {line}" for line in extra]
     return "\n".join(lines)

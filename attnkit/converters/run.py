@@ -1,24 +1,14 @@
-"""`attnkit convert`: dispatch `--to` to the pipeline that implements it; with `--eval`, evaluate
-the written model against its source in the same process afterwards."""
+"""`attnkit convert`: dispatch `--to` to the method's converter (`attnkit.registry`); with `--eval`,
+evaluate the written model against its source in the same process afterwards."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from attnkit import registry
 from attnkit.cli import load_handler
 from attnkit.errors import AttnkitError
-
-PIPELINES = {
-    "mla": "attnkit.converters.mla.convert:convert",
-    "dex": "attnkit.converters.dex.convert:convert_dex",
-    "diff": "attnkit.converters.diff.convert:convert_diff",
-    "mla+dex": "attnkit.converters.dex.convert:convert_mla_dex",
-    "titans": "attnkit.converters.titans.convert:convert_titans",
-    "mla+titans": "attnkit.converters.titans.convert:convert_mla_titans",
-    "gqa": "attnkit.converters.gqa.convert:convert",
-}
-
 
 def eval_args(args: argparse.Namespace) -> argparse.Namespace:
     """What `attnkit eval OUT --baseline MODEL --tasks TASKS --out OUT/eval_results.json` would parse
@@ -56,15 +46,11 @@ def main(args: argparse.Namespace) -> int:
     from attnkit.io.resolve import resolve_model
 
     check_calib_source(args.calib)
-    if args.to in ("dex", "mla+dex"):  # the head rule is an argument: checked before any model is looked at
-        from attnkit.converters.dex.heads import parse_heads
-
-        parse_heads(args.heads, args.heads_fraction)
     path = resolve_model(args.model)
     if any(path.glob("*.safetensors")):  # a folder without weights is the method's to refuse, after its config checks
         check_finite(path, args.model)  # reads every weight: last; a NaN/Inf weight fails here, not midway through a method
     try:
-        rc = load_handler(PIPELINES[args.to], f"attnkit convert --to {args.to}")(args) or 0
+        rc = load_handler(registry.get(args.to).converter, f"attnkit convert --to {args.to}")(args) or 0
     except AttnkitError as exc:
         if "tokenizer" in str(exc):
             check_tokenizer_files(path, args.model)  # the whole reason where there is no tokenizer at all

@@ -41,13 +41,6 @@ _COMMON_CONVERT_KEYS = {"attnkit_version", "method", "source", "settings", "kv_c
 # Carried from the source model's card into this one when it has them (never invented).
 CARRIED_KEYS = ("license", "license_name", "license_link", "datasets", "language")
 _TMP_NAME = re.compile(r"^\.(.+)\.attnkit-tmp-(?:[0-9]+-)?[0-9a-f]+$")
-_METHOD_TITLES = {
-    "mla": "multi-head latent attention (MLA, DeepSeek-V2/V3 style)",
-    "dex": "DEX differential extension",
-    "diff": "DIFF differential attention retrofit",
-    "mla+dex": "MLA + DEX differential extension",
-    "gqa": "grouped-query attention with fewer KV heads (same architecture)",
-}
 
 
 # ---------------------------------------------------------------- reading the folder
@@ -182,6 +175,15 @@ def source_ref(convert: dict | None, finetune: dict | None) -> tuple[str | None,
 def source_model(convert: dict | None, finetune: dict | None) -> str | None:
     """The original model this folder derives from, as the card may name it (no local paths)."""
     return public_name(*source_ref(convert, finetune))
+
+
+def _method_title(method: str) -> str:
+    """The registered method's words for the attention it writes (`attnkit.registry`); an unknown name
+    (a report from a newer attnkit) as itself."""
+    from attnkit import registry
+
+    known = registry.methods().get(method)
+    return known.title if known else method
 
 
 def method_of(convert: dict | None) -> str | None:
@@ -344,7 +346,7 @@ def _conversion_section(convert: dict) -> str:
     parts = [
         "## Conversion",
         "",
-        f"Converted by `attnkit convert --to {method}` — {_METHOD_TITLES.get(method, method)} — from "
+        f"Converted by `attnkit convert --to {method}` — {_method_title(method)} — from "
         f"`{name}`{bundled} (model type `{source.get('model_type', '?')}`, "
         f"attnkit {convert.get('attnkit_version', '?')}).",
     ]
@@ -568,8 +570,7 @@ def _serving_note(convert: dict) -> str:
 def _finetune_note(convert: dict, plain_mla: bool) -> str | None:
     """What fine-tuning it safely takes, for outputs with an MLA part (None for others)."""
     target = _mla_target(convert)
-    method = str(convert.get("method") or "")
-    if not (plain_mla or "mla" in method.split("+")):
+    if not (plain_mla or isinstance(convert.get("mla"), dict)):  # `mla+…` reports carry their MLA step's section
         return None
     constant = target.get("constant_channel", target.get("form") != "engines")
     if constant:
@@ -595,7 +596,7 @@ def build_card(reports: dict[str, dict | None], repo_id: str | None = None, name
     method = method_of(convert)
     summary = f"`{source}` with its attention rewritten" if source else "A model with its attention rewritten"
     if method:
-        summary += f" to {_METHOD_TITLES.get(method, method)}"
+        summary += f" to {_method_title(method)}"
     summary += " by attnkit"
     summary += ", then healed by a short distillation fine-tune." if finetune else "."
     sections = [GENERATED_MARKER, "", f"# {title}", "", summary]

@@ -33,3 +33,9 @@ def _fields(method: str):
         return dex_config_fields(selected, ANNEAL_FRACTION, model_type, method), {"heads": heads}
 
     return fields
+
+
+def summary(report: dict) -> tuple[str | None, list[str]]:
+    """The printout's DEX line: how many heads of each layer got the differential operation."""
+    sel = report["heads"]["selected"]
+    return None, [f"DEX heads per layer: {[len(s) for s in sel]} of {report['heads']['num_heads']} ({report['heads']['rule']})"]

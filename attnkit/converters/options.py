@@ -1,0 +1,31 @@
+"""The options every `attnkit convert --to …` takes. A method's own options are in its folder
+(`converters/<method>/config.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from attnkit.options import option
+
+
+@dataclass
+class ConvertOptions:
+    """What every method reads: calibration text, output dtype, device, and the evaluation after it."""
+
+    GROUP: ClassVar[str | None] = None  # the command's own options, not a group
+    force: bool = option(False, "replace a non-empty OUT")
+    dtype: str | None = option(None, "output dtype (default: source's)", choices=("bf16", "fp16", "fp32"))
+    device: str = option("cpu", "where the conversion math runs", choices=("cpu", "cuda"))
+    calib: str = option("python", "calibration text: python (stdlib), python+site, a .txt/.jsonl file or folder, "
+                        "hf:NAME[:CONFIG][:SPLIT]", metavar="SOURCE")
+    calib_tokens: int = option(65536, "calibration tokens (default 65536)", metavar="N")
+    calib_seq_len: int = option(512, "calibration sequence length", metavar="L")
+    seed: int = option(0, "seed for calibration sampling")
+    eval: bool = option(False, "then evaluate OUT against MODEL in the same process, as `attnkit eval OUT --baseline "
+                        "MODEL --tasks TASKS --out OUT/eval_results.json` would (the model card states it)")
+    tasks: str = option("attnkit-quick", "lm-eval tasks of --eval (as for attnkit eval)", metavar="TASKS")
+    limit: int | None = option(None, "--eval: at most N documents per task (as for attnkit eval; quick checks)",
+                               metavar="N")
+    eval_tokens: int | None = option(None, "held-out tokens for the error report (default: 4096 for mla and gqa, 4 "
+                                     "rows of --calib-seq-len for dex, diff and titans)", metavar="N")

@@ -1,0 +1,20 @@
+"""`--to titans`'s options (`TitansConfig`): the window, the memory's shape and update chunk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from attnkit.options import option
+
+
+@dataclass
+class TitansConfig:
+    GROUP: ClassVar[str | None] = "Titans (--to titans, mla+titans): window attention + neural long-term memory, Memory as Gate"
+    window: int = option(128, "tokens the attention still sees (default 128)", metavar="W")
+    chunk: int = option(16, "tokens the memory reads per update, <= W (default 16)", metavar="C")
+    memory_depth: int = option(2, "layers of the memory MLP (default 2; 0 = the window alone, no memory: the "
+                               "baseline)", metavar="N")
+    memory_dim: int | None = option(None, "memory key/value size per head (default: head_dim)", metavar="M")
+    variant: str = option("mag", "how memory and attention combine: mag = Memory as Gate (mal, Memory as a Layer: not "
+                          "implemented, refused)", choices=("mag", "mal"))
