@@ -323,17 +323,24 @@ def bench_model(spec: str, path: Path, raw: dict, attn: str, args, device, dtype
 
 
 def main(args) -> int:
-    """The `attnkit bench` handler (threads restored afterwards, so in-process callers are unaffected)."""
+    """The `attnkit bench` handler."""
+    measure(args)
+    return 0
+
+
+def measure(args) -> dict:
+    """Benchmark, print the table, write --out; returns the results (threads restored afterwards, so
+    in-process callers are unaffected)."""
     threads = torch.get_num_threads()
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
-        return _main(args)
+        return _measure(args)
     finally:
         torch.set_num_threads(threads)
 
 
-def _main(args) -> int:
+def _measure(args) -> dict:
     from tqdm.auto import tqdm
 
     from attnkit import __version__
@@ -383,4 +390,4 @@ def _main(args) -> int:
         tmp.replace(out)
         png = write_plot(result, out.with_suffix(".png"))
         print(f"wrote {out} and {png}")
-    return 0
+    return result

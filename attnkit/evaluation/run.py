@@ -466,8 +466,44 @@ def check_inputs(specs: list[str]) -> None:
         check_finite(path, spec)
 
 
+def evaluate_all(specs: dict[str, Any], names: list[str], limit: int | None, batch_size: int, dtype: str,
+                 device: str | None, verbose: bool = False, tokenizers: dict[str, Any] | None = None) -> dict:
+    """Each model of `specs` ({"model": ..., "baseline": ...}: MODEL specs, or in-memory models with their
+    `tokenizers`) under one progress bar; with a baseline, the retention. The result `attnkit eval` writes."""
+    tokenizers = tokenizers or {}
+    result: dict[str, Any] = {"schema": SCHEMA, "attnkit_version": __version__, "tasks": names, "limit": limit}
+    labels = {role: spec if isinstance(spec, (str, Path)) else f"{role} ({type(spec).__name__})"
+              for role, spec in specs.items()}
+    models = {}
+    with quiet(verbose) as stream:
+        progress = Progress([str(v) for v in labels.values()], stream)
+        ok, threads_before = False, torch.get_num_threads()
+        try:
+            for i, (role, spec) in enumerate(specs.items()):
+                progress.start(i)
+                torch.set_num_threads(eval_threads(most=threads_before) or threads_before)
+                models[role] = _evaluate(spec, tokenizers.get(role), names, limit, batch_size, dtype, device,
+                                         DEFAULT_MAX_LENGTH, str(labels[role]), progress, verbose)
+                models[role]["torch_threads"] = torch.get_num_threads()
+            ok = True
+        finally:
+            torch.set_num_threads(threads_before)  # also run in-process (tests, notebooks)
+            progress.close(clear=not ok)
+    if "baseline" in models:
+        result["retention"] = retention(models["model"], models["baseline"])
+    result["models"] = models
+    return result
+
+
 def main(args: argparse.Namespace) -> int:
-    """`attnkit eval`: check every input, evaluate each model under one progress bar, print the table, write JSON."""
+    """The `attnkit eval` handler."""
+    run_eval(args)
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> dict:
+    """`attnkit eval`: check every input, evaluate each model under one progress bar, print the table, write
+    JSON; returns the results."""
     args.verbose = getattr(args, "verbose", False)
     out = Path(args.out) if args.out else None
     if out is not None and out.is_dir():
@@ -481,25 +517,7 @@ def main(args: argparse.Namespace) -> int:
     bundled.check_names_without_index(names)  # a misspelt task now, not after loading lm-eval's index
     specs = {"model": args.model, **({"baseline": args.baseline} if args.baseline else {})}
     check_inputs(list(specs.values()))  # a missing --baseline fails now, not after the model's evaluation
-    result: dict[str, Any] = {"schema": SCHEMA, "attnkit_version": __version__, "tasks": names, "limit": args.limit}
-    models = {}
-    with quiet(args.verbose) as stream:
-        progress = Progress(list(specs.values()), stream)
-        ok, threads_before = False, torch.get_num_threads()
-        try:
-            for i, (role, spec) in enumerate(specs.items()):
-                progress.start(i)
-                torch.set_num_threads(eval_threads(most=threads_before) or threads_before)
-                models[role] = _evaluate(spec, None, names, args.limit, args.batch_size, args.dtype, args.device,
-                                         DEFAULT_MAX_LENGTH, spec, progress, args.verbose)
-                models[role]["torch_threads"] = torch.get_num_threads()
-            ok = True
-        finally:
-            torch.set_num_threads(threads_before)  # main() also runs in-process (tests, notebooks)
-            progress.close(clear=not ok)
-    if "baseline" in models:
-        result["retention"] = retention(models["model"], models["baseline"])
-    result["models"] = models
+    result = evaluate_all(specs, names, args.limit, args.batch_size, args.dtype, args.device, args.verbose)
     print(format_table(result))
     if out is not None:
         from attnkit.io.public import public_report
@@ -510,4 +528,4 @@ def main(args: argparse.Namespace) -> int:
         tmp.write_text(json.dumps(public, indent=2) + "\n")
         tmp.replace(out)
         print(f"wrote {out}")
-    return 0
+    return result
