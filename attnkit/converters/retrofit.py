@@ -22,6 +22,7 @@ import torch
 
 from attnkit import __version__
 from attnkit.converters.common import DTYPES, calibration_tokens, check_device, source_dtype, source_info
+from attnkit.converters.measure import return_freed_memory
 from attnkit.converters.mla.source import Source, open_source
 from attnkit.converters.retrofit_stream import (InitLayerFn, calibration_pass, held_out_metrics, open_streams,
                                                 per_layer_measure, retrofit_config, rewrite_pass, streamed_ppl,
@@ -111,6 +112,7 @@ def _stream(args: argparse.Namespace, method: RetrofitMethod, src: Source, calib
             out_dtype: torch.dtype, config_class: type, model_class: type, tmp: Path, scratch: Path, device) -> tuple:
     """The two passes (`retrofit_stream.py`): statistics, then the rewritten layers written to `tmp`;
     returns (the output's config, the statistics, the exactness step with the fields' report extras)."""
+    return_freed_memory()  # from the first layer on: large temporaries mmapped, returned to the OS when freed
     calib_rows, before = open_streams(src, calib, evaluation, scratch)
     after = before.copy(scratch / "after.f32")
     stats = calibration_pass(src, calib_rows, before, device)

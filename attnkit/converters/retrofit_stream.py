@@ -72,7 +72,7 @@ def each_layer(src: Source, device, step: Callable[[int, torch.nn.Module], None]
     the caller's loop variable would keep the previous layer alive while the next one loads.)"""
     layers = range(src.config["num_hidden_layers"])
     for layer in tqdm(layers, desc=desc, unit="layer", leave=False, disable=desc is None):
-        module = _mlp_by_rows(load_layer(src, layer, device, mlp_fp32=True))
+        module = _mlp_by_rows(load_layer(src, layer, device))
         step(layer, module)
         del module.mlp.forward  # the wrapper's closure refers back to the MLP: a cycle that only the
         del module              # garbage collector would free, keeping every layer alive until it ran
