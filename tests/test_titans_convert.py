@@ -141,7 +141,7 @@ def test_mla_plus_titans_composes(tmp_path, calib, llama_src):
     assert report["steps"][-1]["exact"] is True and len(report["steps"]) > 1
     assert report["titans"]["memory_qkv_init"] == "seeded random"  # latent attention: no q/k/v to copy
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert model.config.attnkit["base_model_type"] == "deepseek_v3"
+    assert model.config.attnkit["base_model_type"] == "deepseek_v3" and model.config.attnkit["method"] == "mla+titans"
     gen = model.generate(input_ids=torch.randint(2, 300, (2, 40)), max_new_tokens=3, do_sample=False,
                          return_dict_in_generate=True, pad_token_id=0)
     assert isinstance(gen.past_key_values, TitansCache)

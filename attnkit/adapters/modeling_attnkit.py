@@ -207,17 +207,29 @@ def install_attention(attn: nn.Module, config, family_name: str) -> None:
     layer = attn.layer_idx
     attn.__class__ = _retrofit_class(type(attn))
     attn.attnkit_family = family_name
-    if method in ("dex", "mla+dex"):
+    module = runtime_module(method)
+    if module == "dex":
         attn.dex = DexHeadMix(heads, head_dim, spec["selected_heads"][layer], layer, anneal)
-    elif method == "titans":
+    elif module == "titans":
         attn.titans = TitansMemory(config.hidden_size, heads, head_dim, spec["memory_dim"], spec["memory_depth"],
                                    spec["window"], spec["chunk"], layer, anneal)
-    elif method == "diff":
+    else:  # diff
         attn.diff_q_proj = nn.Linear(config.hidden_size, heads * family.query_dim(config), bias=False)
         nn.init.zeros_(attn.diff_q_proj.weight)  # A2 starts as the uniform causal average
         attn.diff = DiffCombine(heads, head_dim, layer, anneal)
-    else:
+
+
+RUNTIME_MODULES = ("dex", "diff", "titans")
+
+
+def runtime_module(method: str) -> str:
+    """The module a checkpoint's `attnkit.method` adds to each attention: its last step (`mla+titans` runs
+    Titans on an MLA attention). This file runs where attnkit is not installed, so it reads the method
+    from the config, not from attnkit's registry."""
+    module = method.split("+")[-1]
+    if module not in RUNTIME_MODULES:
         raise ValueError(f"unknown attnkit method {method!r}")
+    return module
 
 
 # ---------------------------------------------------------------- config and model classes
@@ -233,7 +245,7 @@ def _make_classes(family_name: str, family: Family) -> tuple[type, type]:
 
     @functools.wraps(family.model_class.forward)  # its signature: callers see it takes `cache` (not the
     def forward(self, *args, **kwargs):               # deprecated `past_key_values`)
-        if self.config.attnkit.get("method") == "titans":  # its bounded cache, not the default one
+        if runtime_module(self.config.attnkit["method"]) == "titans":  # its bounded cache, not the default one
             kwargs = with_titans_cache(self.config, kwargs)
         return family.model_class.forward(self, *args, **kwargs)
 

@@ -44,9 +44,9 @@ def check_settings(window: int, chunk: int, depth: int, memory_dim: int | None, 
     return {"window": window, "chunk": chunk, "memory_depth": depth, "memory_dim": dim}
 
 
-def titans_config_fields(settings: dict, anneal_fraction: float, base_model_type: str) -> dict:
-    """The `attnkit` block of a Titans model's config."""
-    return {"method": "titans", "base_model_type": base_model_type, "variant": "mag",
+def titans_config_fields(settings: dict, anneal_fraction: float, base_model_type: str, method: str = "titans") -> dict:
+    """The `attnkit` block of a Titans model's config (`method`: titans, or mla+titans on an MLA output)."""
+    return {"method": method, "base_model_type": base_model_type, "variant": "mag",
             "anneal_fraction": float(anneal_fraction), **settings}
 
 
