@@ -38,8 +38,10 @@ def test_peak_memory_does_not_grow_with_layers(tmp_path):
                                        "--calib", str(calib), "--calib-tokens", "2048", "--calib-seq-len", "128",
                                        "--eval-tokens", "512", "--kv-lora-rank", "64", "--rope-dim", "32"])
                             for i in range(2))
-    # six more layers (~100 MB of fp32 weights) may not add more than a fraction of one layer
-    assert peaks[8] - peaks[2] < 0.75 * layer_bytes, (peaks, layer_bytes)
+    # a pass that kept every layer would add six layers' bytes (~90 MB) from 2 to 8 layers; a bounded one adds
+    # only noise (heap reuse, page faults: up to 11.5 MB seen, 0.76 of a layer, on a busy CI machine). Two
+    # layers' bytes separate the two by a factor of three either way.
+    assert peaks[8] - peaks[2] < 2 * layer_bytes, (peaks, layer_bytes)
 
 
 def test_row_store_round_trip_and_in_place_map(tmp_path):
