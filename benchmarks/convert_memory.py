@@ -1,7 +1,11 @@
-"""Peak memory and wall time of `attnkit convert` (every method) on a Llama-3.2-1B-shaped random model.
+"""Peak memory and wall time of `attnkit convert` (every method) on a Llama-3.2-1B- or 3.1-8B-shaped random model.
 
     python benchmarks/convert_memory.py [--work /tmp/attnkit-mem] [--layers 16] [--calib-tokens 8192]
     python benchmarks/convert_memory.py --method mla,gqa,dex,diff,titans,mla+dex,mla+titans [--source DIR]
+    python benchmarks/convert_memory.py --shape 8b --work /tmp/attnkit-mem8b --extra "--report final"
+
+`--shape 8b` builds Llama-3.1-8B's shape from its published config.json (tests/data/configs/, every field
+kept; 16 GB bf16, untied head), one tensor at a time.
 
 `--source DIR` measures an existing checkpoint instead of building the 1B shape (e.g. a small model with a
 16K-position config). Each method runs with the arguments in METHOD_ARGS (sized from the source's config).
@@ -33,15 +37,33 @@ LLAMA_32_1B = dict(
 )
 
 
-def build_source(folder: Path, layers: int) -> int:
-    """Write the random bf16 checkpoint shard by shard; returns its size in bytes."""
+CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "data" / "configs"
+
+
+def shape_config(shape: str, layers: int | None):
+    """The LlamaConfig of a shape: the 1B dict above, or Llama-3.1-8B's published config.json. The token
+    ids are the small benchmark tokenizer's (its vocabulary is 4,096; the embedding keeps the real size)."""
+    from transformers import LlamaConfig
+
+    if shape == "1b":
+        fields = dict(LLAMA_32_1B)
+    else:
+        fields = json.loads((CONFIGS / "meta-llama--Llama-3.1-8B.json").read_text())
+        fields.update(bos_token_id=1, eos_token_id=2)
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    return LlamaConfig(**fields)
+
+
+def build_source(folder: Path, cfg) -> int:
+    """Write the random bf16 checkpoint tensor by tensor (never more than one in memory); returns its bytes."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from attnkit.data import iter_documents
     from attnkit.io.checkpoint import ShardedWriter
 
-    cfg = LlamaConfig(**{**LLAMA_32_1B, "num_hidden_layers": layers})
+    layers = cfg.num_hidden_layers
     folder.mkdir(parents=True, exist_ok=True)
     cfg.architectures = ["LlamaForCausalLM"]
     cfg.dtype = "bfloat16"
@@ -64,6 +86,8 @@ def build_source(folder: Path, layers: int) -> int:
         writer.add(p + "input_layernorm.weight", torch.ones(D, dtype=torch.bfloat16))
         writer.add(p + "post_attention_layernorm.weight", torch.ones(D, dtype=torch.bfloat16))
     writer.add("model.norm.weight", torch.ones(D, dtype=torch.bfloat16))
+    if not cfg.tie_word_embeddings:
+        writer.add("lm_head.weight", rnd(cfg.vocab_size, D))
     writer.close()
     texts = [doc.text for _, doc in zip(range(300), iter_documents("python", "train"))]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -89,19 +113,21 @@ def method_args(method: str, config: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="/tmp/attnkit-mem")
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shape", choices=["1b", "8b"], default="1b", help="the random source's shape (default 1b)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's, 16 or 32)")
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--extra", default="", help="extra convert arguments, space-separated")
     ap.add_argument("--keep", action="store_true", help="keep the source and output checkpoints")
     ap.add_argument("--method", default="mla", help="comma-separated --to methods (default mla)")
+    ap.add_argument("--defaults", action="store_true", help="convert with each method's own defaults, not METHOD_ARGS")
     ap.add_argument("--source", default=None, help="an existing checkpoint folder instead of the 1B shape")
     args = ap.parse_args()
     work = Path(args.work)
     src, out = (Path(args.source) if args.source else work / "src"), work / "out"
     work.mkdir(parents=True, exist_ok=True)
     if not (src / "config.json").is_file():
-        build_source(src, args.layers)
+        build_source(src, shape_config(args.shape, args.layers))
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     shutil.rmtree(out, ignore_errors=True)
     from attnkit.evaluation.peak import run_with_peak
@@ -113,7 +139,7 @@ def main() -> None:
     for method in args.method.split(","):
         cmd = ["convert", "--to", method, str(src), "-o", str(out), "--force", "--calib-tokens", str(args.calib_tokens),
                *(["--eval-tokens", str(args.eval_tokens)] if method in ("mla", "gqa") else []),
-               *method_args(method, config), *args.extra.split()]
+               *([] if args.defaults else method_args(method, config)), *args.extra.split()]
         t0 = time.time()
         code, peak, err = run_with_peak(cmd, quiet=False)
         wall = time.time() - t0
