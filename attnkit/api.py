@@ -104,8 +104,8 @@ def heal(recipe: PathLike, **overrides: Any) -> Report:
     """`attnkit finetune --config RECIPE key=value ...`: heal a converted model from a YAML recipe.
     Dotted keys go through a dict: `heal("recipes/heal-mla.yaml", model="out/ref-mla",
     output_dir="out/healed", **{"train.max_steps": 20})`. Returns the output folder's finetune report."""
-    from attnkit.recipes.finetune import run
-    from attnkit.recipes.recipe import load_finetune_recipe
+    from attnkit.training.finetune import run
+    from attnkit.training.recipe import load_finetune_recipe
 
     items = [f"{k}={v if isinstance(v, str) else json.dumps(str(v) if isinstance(v, Path) else v)}"
              for k, v in overrides.items()]

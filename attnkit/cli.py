@@ -19,11 +19,11 @@ from attnkit.errors import AttnkitError
 
 HANDLERS = {
     "convert": "attnkit.converters.run:main",
-    "finetune": "attnkit.recipes.finetune:main",
+    "finetune": "attnkit.training.finetune:main",
     "eval": "attnkit.evaluation.run:main",
     "bench": "attnkit.evaluation.bench:main",
     "push": "attnkit.io.hub:main",
-    "pretrain": "attnkit.recipes.pretrain:main",
+    "pretrain": "attnkit.training.pretrain:main",
     "tasks": "attnkit.evaluation.tasks:main",
 }
 

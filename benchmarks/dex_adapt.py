@@ -104,7 +104,7 @@ def prepare(arm: str, source: Path, scratch: Path, args):
 
 def train(model, params, lr: float, rows: torch.Tensor, batch: int) -> list[list[float]]:
     """Plain AdamW over `rows` in order; the step is broadcast so DEX/DIFF λ ramps in."""
-    from attnkit.recipes.schedules import broadcast_step
+    from attnkit.training.schedules import broadcast_step
 
     if not params:
         return []
@@ -231,7 +231,7 @@ def export_run_checkpoint(run_dir: Path, out: Path) -> tuple[Path, dict]:
 
     from transformers import AutoTokenizer
 
-    from attnkit.recipes.pretrain import ModelSpec, build_model
+    from attnkit.training.pretrain import ModelSpec, build_model
 
     recipe = json.loads((run_dir / "recipe.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")

@@ -47,7 +47,7 @@ CONFIGS = {"ddp": ROOT / "recipes" / "accelerate" / "ddp.yaml", "fsdp": ROOT / "
 PROBE = r'''
 import json, os, signal, sys, threading, time
 import torch
-import attnkit.recipes.finetune as ft
+import attnkit.training.finetune as ft
 
 def status(key):
     for line in open("/proc/self/status"):

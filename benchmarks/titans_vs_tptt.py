@@ -38,7 +38,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM, MistralConfig, Mistral
 from attnkit.data import pack_tokens
 from attnkit.evaluation.run import evaluate_model
 from attnkit.io.resolve import resolve_model
-from attnkit.recipes.batches import EpochRows
+from attnkit.training.batches import EpochRows
 
 
 def sliding_twin(llama: LlamaForCausalLM, window: int) -> MistralForCausalLM:

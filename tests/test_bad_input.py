@@ -101,7 +101,7 @@ def test_finetune_output_on_the_student_or_teacher_is_refused_even_forced(tmp_pa
 def test_finetune_says_which_teacher_it_loaded(tmp_path, capsys):
     from test_finetune_fixtures import build_tokenizer, save_llama, write_corpus
 
-    from attnkit.recipes.finetune import load_teacher
+    from attnkit.training.finetune import load_teacher
 
     teacher = save_llama(tmp_path / "teacher", build_tokenizer(write_corpus(tmp_path / "c.jsonl")))
     assert load_teacher(teacher, {}, "cpu") is not None
@@ -131,7 +131,7 @@ def test_pretrain_export_on_its_run_folder_or_corpus_is_refused_before_training(
 
 
 def test_pretrain_card_names_a_local_corpus_by_its_folder():
-    from attnkit.recipes.pretrain import PretrainRecipe, _card
+    from attnkit.training.pretrain import PretrainRecipe, _card
 
     summary = {"params": 1, "steps": 1, "tokens_seen": 1, "train_tokens_available": 1, "device": "cpu", "seconds": 60,
                "validation_tokens": 1, "validation_loss": 1.0, "validation_perplexity": 2.7,

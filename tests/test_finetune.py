@@ -16,13 +16,13 @@ from test_finetune_fixtures import base_recipe, build_tokenizer, save_llama, tin
 
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
-from attnkit.recipes.losses import distill_kl, heal_loss, hidden_mse, next_token_ce
-from attnkit.recipes.recipe import load_finetune_recipe
-from attnkit.recipes.schedules import broadcast_step, lr_multiplier
+from attnkit.training.losses import distill_kl, heal_loss, hidden_mse, next_token_ce
+from attnkit.training.recipe import load_finetune_recipe
+from attnkit.training.schedules import broadcast_step, lr_multiplier
 
 
 def train(path, *overrides):
-    from attnkit.recipes.finetune import run
+    from attnkit.training.finetune import run
 
     return run(load_finetune_recipe(path, list(overrides)))
 
@@ -182,7 +182,7 @@ def test_new_params_heal_trains_only_patterns_and_reloads(tiny, tmp_path):
     assert saved["eval_after"]["validation"]["loss"] < saved["eval_before"]["validation"]["loss"]
     assert [p[0] for p in saved["eval_curve"]] == [4, 8, 12]
     assert (out / "README.md").is_file() and (out / "tokenizer.json").is_file()
-    from attnkit.recipes.plot import plot, retention_curve
+    from attnkit.training.plot import plot, retention_curve
 
     curve = retention_curve(saved)
     assert [x for x, _ in curve] == [0, 256, 512, 768] and curve[-1][1] > curve[0][1]
@@ -322,8 +322,8 @@ def test_diff_retrofit_heals_with_remote_code_and_step_schedule(tiny, tmp_path):
 def test_missing_tensorboard_degrades_with_a_note(tmp_path, monkeypatch):
     import accelerate.utils
 
-    from attnkit.recipes.finetune import make_accelerator
-    from attnkit.recipes.recipe import Recipe
+    from attnkit.training.finetune import make_accelerator
+    from attnkit.training.recipe import Recipe
 
     monkeypatch.setattr(accelerate.utils, "is_tensorboard_available", lambda: False)
     accelerator, note = make_accelerator(Recipe(model="m", output_dir=str(tmp_path / "o")))
@@ -334,7 +334,7 @@ def test_constant_latent_channel_is_protected(tiny):
     """The converter's constant latent channel (zero weight row, large bias) gets zero gradients."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from attnkit.recipes.trainable import apply_lora, protect_constant_channels
+    from attnkit.training.trainable import apply_lora, protect_constant_channels
 
     config = AutoConfig.from_pretrained(tiny["mla"])
     config.attention_bias = True
@@ -369,7 +369,7 @@ def test_position_ppl_scores_every_token_once_like_lm_eval(tiny):
     """position_ppl's buckets partition exactly the tokens lm-eval's rolling windows score."""
     from transformers import AutoModelForCausalLM
 
-    from attnkit.recipes.position_ppl import bucket_nll, windows
+    from attnkit.training.position_ppl import bucket_nll, windows
 
     tokens = list(range(3, 3 + 70))
     wins = windows(tokens, 0, 32)
@@ -386,7 +386,7 @@ def test_position_ppl_scores_every_token_once_like_lm_eval(tiny):
 
 
 def test_a_diverged_loss_stops_the_run_in_one_line_and_writes_nothing(tiny, tmp_path, capsys, monkeypatch):
-    import attnkit.recipes.finetune as ft
+    import attnkit.training.finetune as ft
 
     calls = {"n": 0}
 

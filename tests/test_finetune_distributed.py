@@ -18,7 +18,7 @@ ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "
 # i.e. mid-run, after the checkpoint of an earlier step and with later steps still to do.
 KILL_SCRIPT = """
 import os, signal, sys
-import attnkit.recipes.finetune as ft
+import attnkit.training.finetune as ft
 real = ft.broadcast_step
 def broadcast_or_die(model, step, total):
     if step == int(os.environ["KILL_AT"]):
@@ -48,8 +48,8 @@ def finetune(args: list[str], extra_env: dict | None = None, script: str | None 
 
 def in_process(path, *overrides: str) -> None:
     """One process, in this interpreter (saves an interpreter start-up per run)."""
-    from attnkit.recipes.finetune import run
-    from attnkit.recipes.recipe import load_finetune_recipe
+    from attnkit.training.finetune import run
+    from attnkit.training.recipe import load_finetune_recipe
 
     run(load_finetune_recipe(path, list(overrides)))
 

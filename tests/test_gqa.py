@@ -280,8 +280,8 @@ def test_a_sliding_window_shorter_than_the_rows_is_refused_and_a_longer_one_kept
 
 
 def test_heal_gqa_recipe_runs_end_to_end_and_trains_only_the_attention(sources, calib, tmp_path):
-    from attnkit.recipes.finetune import run
-    from attnkit.recipes.recipe import load_finetune_recipe
+    from attnkit.training.finetune import run
+    from attnkit.training.recipe import load_finetune_recipe
 
     student = tmp_path / "mqa"
     assert _convert(sources["qwen2"], student, calib, "--kv-heads", "1") == 0

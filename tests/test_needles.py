@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from attnkit.errors import AttnkitError
 from attnkit.evaluation.tasks.build import _NAMES, DATA
 from attnkit.needles import TRAIN_NAMES, NeedlePlanter
-from attnkit.recipes.batches import load_train_rows
-from attnkit.recipes.finetune import load_finetune_recipe
+from attnkit.training.batches import load_train_rows
+from attnkit.training.finetune import load_finetune_recipe
 from test_finetune_fixtures import tiny, write_recipe  # noqa: F401
 
 NEEDLE = re.compile(r'^(\w+_\d+) = "(\w{6})"$')
@@ -67,7 +67,7 @@ def test_planter_is_seeded_and_never_uses_the_evaluation_names():
 
 
 def test_training_rows_carry_needles_and_the_recipe_checks_them(tiny, tmp_path):
-    from attnkit.recipes.recipe import DataSection, NeedleSection
+    from attnkit.training.recipe import DataSection, NeedleSection
 
     plain = DataSection(source=str(tiny["corpus"]), seq_len=64)
     planted = DataSection(source=str(tiny["corpus"]), seq_len=64, needles=NeedleSection(spacing=[1, 3], distance=[3, 6]))

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from attnkit.errors import AttnkitError
-from attnkit.recipes import pretrain
-from attnkit.recipes.config import load_recipe
-from attnkit.recipes.pretrain import PretrainRecipe
+from attnkit.training import pretrain
+from attnkit.training.config import load_recipe
+from attnkit.training.pretrain import PretrainRecipe
 
 
 def _recipe(tmp_path, corpus, **train):

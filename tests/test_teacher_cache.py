@@ -16,12 +16,12 @@ from test_finetune_fixtures import base_recipe, tiny, write_recipe  # noqa: F401
 
 from attnkit.cli import main as cli_main
 from attnkit.errors import AttnkitError
-from attnkit.recipes.losses import TeacherTargets, distill_kl, distill_kl_targets, heal_loss, topk_targets
-from attnkit.recipes.recipe import load_finetune_recipe
+from attnkit.training.losses import TeacherTargets, distill_kl, distill_kl_targets, heal_loss, topk_targets
+from attnkit.training.recipe import load_finetune_recipe
 
 
 def train(path, *overrides):
-    from attnkit.recipes.finetune import run
+    from attnkit.training.finetune import run
 
     return run(load_finetune_recipe(path, list(overrides)))
 
@@ -145,7 +145,7 @@ def test_cache_settings_are_part_of_the_run_fingerprint(tmp_path):
 
 
 def test_full_cache_trains_exactly_like_the_in_process_teacher(tiny, tmp_path, monkeypatch):  # noqa: F811
-    import attnkit.recipes.finetune as ft
+    import attnkit.training.finetune as ft
 
     path = write_recipe(tmp_path / "r.yaml", **cache_recipe(tmp_path, tiny, top_k=None, dtype="fp32"))
     live = train(path, "teacher_cache=null", f"output_dir={tmp_path / 'live'}")
@@ -207,7 +207,7 @@ def test_stale_cache_is_refused_untouched_or_rebuilt(tiny, tmp_path, capsys):  #
 
 @pytest.mark.slow
 def test_resume_with_cache_matches_uninterrupted(tiny, tmp_path, monkeypatch):  # noqa: F811
-    import attnkit.recipes.finetune as ft
+    import attnkit.training.finetune as ft
 
     recipe = cache_recipe(tmp_path, tiny, top_k=16)
     recipe["train"]["max_steps"] = 9

@@ -14,8 +14,8 @@ from test_finetune_fixtures import tiny  # noqa: F401  (fixture)
 from transformers import AutoModelForCausalLM
 
 from attnkit.cli import main as cli_main
-from attnkit.recipes.finetune import run
-from attnkit.recipes.recipe import load_finetune_recipe
+from attnkit.training.finetune import run
+from attnkit.training.recipe import load_finetune_recipe
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 

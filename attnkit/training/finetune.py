@@ -37,12 +37,12 @@ from attnkit.evaluation.ppl import VALIDATION, validation_text
 from attnkit.io.checkpoint import check_output_dir, weights_fingerprint
 from attnkit.io.public import local_folder
 from attnkit.io.resolve import BUNDLED, check_causal_lm, resolve_model
-from attnkit.recipes import batches, measure, state, teacher_cache, trainable
-from attnkit.recipes.export import final_model, input_dtype, save_healed
-from attnkit.recipes.losses import heal_loss
-from attnkit.recipes.recipe import Recipe, load_finetune_recipe
+from attnkit.training import batches, measure, state, teacher_cache, trainable
+from attnkit.training.export import final_model, input_dtype, save_healed
+from attnkit.training.losses import heal_loss
+from attnkit.training.recipe import Recipe, load_finetune_recipe
 from attnkit.sdpa import fused_kwargs
-from attnkit.recipes.schedules import broadcast_step, build_scheduler
+from attnkit.training.schedules import broadcast_step, build_scheduler
 
 
 def main(args: argparse.Namespace) -> int:

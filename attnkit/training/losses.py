@@ -1,7 +1,7 @@
 """Healing losses: next-token cross-entropy and KL distillation from the source (teacher) model.
 
 The teacher arrives either as logits (run in the same process) or as `TeacherTargets` read from a
-teacher cache (attnkit/recipes/teacher_cache.py): log-probs at temperature T over the whole
+teacher cache (attnkit/training/teacher_cache.py): log-probs at temperature T over the whole
 vocabulary, or the top-k log-probs with their token ids plus the log of the mass outside them.
 """
 

@@ -1,7 +1,7 @@
 """Recipes: YAML files validated against dataclasses, with dotted `key=value` overrides.
 
-The schema *is* a dataclass (`attnkit.recipes.recipe.Recipe` for fine-tuning,
-`attnkit.recipes.pretrain.PretrainRecipe`): every key a recipe may hold, its type and default.
+The schema *is* a dataclass (`attnkit.training.recipe.Recipe` for fine-tuning,
+`attnkit.training.pretrain.PretrainRecipe`): every key a recipe may hold, its type and default.
 Validation is strict (unknown key or wrong type → one-line `AttnkitError` naming the dotted key),
 because a typo such as `lerning_rate` silently ignored would cost a whole run.
 """

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import atomic_output_dir
-from attnkit.recipes.losses import TeacherTargets, topk_targets
+from attnkit.training.losses import TeacherTargets, topk_targets
 
 MANIFEST = "manifest.json"
 FORMAT = "attnkit-teacher-cache/1"
@@ -147,7 +147,7 @@ def build(folder: Path, teacher, rows: torch.Tensor, used: list[int], fp: dict, 
     """
     from tqdm.auto import tqdm
 
-    from attnkit.recipes.measure import validation_loss
+    from attnkit.training.measure import validation_loss
 
     dtype, top_k = DTYPES[fp["dtype"]], fp["top_k"]
     seq_len = rows.shape[1]

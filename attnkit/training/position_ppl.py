@@ -1,6 +1,6 @@
 """Where a healed model still loses: token perplexity per position bucket on the attnkit-ppl files.
 
-    python -m attnkit.recipes.position_ppl reference out/healed [out/other ...] [--max-length 1024]
+    python -m attnkit.training.position_ppl reference out/healed [out/other ...] [--max-length 1024]
 
 The windows are lm-eval's own (`get_rolling_token_windows` + `make_disjoint_window`, EOS prefix),
 as `attnkit eval --tasks attnkit-ppl` scores them; each scored token is bucketed by its position in

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit.errors import AttnkitError
-from attnkit.recipes.config import load_recipe
+from attnkit.training.config import load_recipe
 
 TRAINABLE_MODES = ("new", "attention", "full", "lora")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -75,7 +75,7 @@ class LossSection:
 
 @dataclass
 class TeacherCacheSection:
-    """Teacher log-probs precomputed once to disk (attnkit/recipes/teacher_cache.py); no teacher in training."""
+    """Teacher log-probs precomputed once to disk (attnkit/training/teacher_cache.py); no teacher in training."""
 
     dir: str = ""  # cache folder (built when absent or empty)
     top_k: int | None = 64  # top-k log-probs + ids per position, the rest in one bucket; null: full vocabulary

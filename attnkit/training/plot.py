@@ -1,6 +1,6 @@
 """Retention vs healing tokens from finetune_report.json files (PNG), for comparing recipes.
 
-    python -m attnkit.recipes.plot out/a out/b ... -o docs/img/heal-retention.png [--labels a,b]
+    python -m attnkit.training.plot out/a out/b ... -o docs/img/heal-retention.png [--labels a,b]
 
 Retention = teacher perplexity ÷ student perplexity on the held-out validation rows (1.0 = the
 source model's quality), read from each report's `eval_curve` ([step, tokens, val loss]) and

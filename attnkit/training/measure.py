@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from attnkit.recipes.losses import next_token_ce
+from attnkit.training.losses import next_token_ce
 
 
 @torch.no_grad()

@@ -19,8 +19,8 @@ from tqdm.auto import tqdm
 
 from attnkit.data import iter_documents, pack_tokens
 from attnkit.errors import AttnkitError
-from attnkit.recipes.config import load_recipe
-from attnkit.recipes.measure import validation_loss
+from attnkit.training.config import load_recipe
+from attnkit.training.measure import validation_loss
 
 SPECIAL = "<|endoftext|>"
 
