@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from attnkit.converters.calibration import TOKENS_PER_BATCH, CalibrationStats, calibration_attention, rows_per_batch
-from attnkit.converters.measure import measure_streams, return_freed_memory
-from attnkit.converters.mla.source import (Source, embedded, layer_window, load_layer, lm_head_name, source_pe,
-                                          through)
+from attnkit.converters.measure import measure_streams
+from attnkit.converters.mla.source import Source, embedded, layer_window, lm_head_name, source_pe, through
+from attnkit.converters.stream import stream_layers
 from attnkit.io.checkpoint import ShardedWriter
 from attnkit.io.rowstore import RowStore
 from attnkit.io.stream_copy import merge_index, stream_tensors
@@ -66,34 +65,6 @@ def _layer_io(src: Source, module: torch.nn.Module, layer: int, length: int, dev
     return through(module, pe, causal_mask(length, window_of(src, module, layer), device, always=calibrating))
 
 
-def each_layer(src: Source, device, step: Callable[[int, torch.nn.Module], None], desc: str | None = None) -> None:
-    """`step(layer, module)` for every source decoder layer in turn (fp32 on `device`), each freed
-    before the next is read: the one loop of a streamed retrofit pass. (A callback, not a generator:
-    the caller's loop variable would keep the previous layer alive while the next one loads.)"""
-    layers = range(src.config["num_hidden_layers"])
-    for layer in tqdm(layers, desc=desc, unit="layer", leave=False, disable=desc is None):
-        module = _mlp_by_rows(load_layer(src, layer, device))
-        step(layer, module)
-        del module.mlp.forward  # the wrapper's closure refers back to the MLP: a cycle that only the
-        del module              # garbage collector would free, keeping every layer alive until it ran
-        return_freed_memory(trim=True)
-
-
-def _mlp_by_rows(module: torch.nn.Module) -> torch.nn.Module:
-    """The layer's MLP applied one row (sequence) of a batch at a time: the same numbers per token,
-    and [T, intermediate] temporaries instead of [B·T, intermediate] ones (the calibration batches
-    take 4,096 tokens at once: 0.5 GB of them on a 1B model). The attention still sees the batch, so
-    the statistics are summed in the same order as the whole model's."""
-    mlp = module.mlp
-    whole = mlp.forward
-
-    def by_rows(x: torch.Tensor) -> torch.Tensor:  # x [B, T, D]
-        return whole(x) if x.dim() != 3 or x.shape[0] == 1 else torch.cat([whole(x[i : i + 1]) for i in range(x.shape[0])])
-
-    mlp.forward = by_rows  # an instance attribute: the module's structure and state_dict are unchanged
-    return module
-
-
 @torch.no_grad()
 def calibration_pass(src: Source, calib: RowStore, held: RowStore, device,
                      tokens_per_batch: int = TOKENS_PER_BATCH) -> dict:
@@ -109,7 +80,7 @@ def calibration_pass(src: Source, calib: RowStore, held: RowStore, device,
             calib.map_(_layer_io(src, module, layer, length, device, calibrating=True), rows, device)
         held.map_(_layer_io(src, module, layer, length, device), rows, device)
 
-    each_layer(src, device, step, "calibration")
+    stream_layers(src, device, step, "calibration", by_rows=True, leave=False)
     return stats.result()
 
 
@@ -131,7 +102,7 @@ def rewrite_pass(src: Source, config, family_name: str, init_layer: InitLayerFn 
         for name, tensor in module.state_dict().items():
             writer.add(f"{src.prefix}{layer}.{name}", tensor.to(out_dtype))
 
-    each_layer(src, device, step, "rewrite")
+    stream_layers(src, device, step, "rewrite", by_rows=True, leave=False)
 
 
 STREAM_COPY_BYTES = 256 * 2**20  # an embedding or head above this is copied a block of rows at a time
@@ -172,8 +143,8 @@ def streamed_ppl(src: Source, ids: torch.Tensor, scratch: Path, device) -> float
     """Perplexity of the model `src` on rows `ids` [N, T], a layer at a time (the user's model before
     `mla+…`, whose retrofit runs on the MLA conversion)."""
     store = embedded(src, ids, scratch / "ppl.f32")
-    each_layer(src, device, lambda layer, module: store.map_(_layer_io(src, module, layer, ids.shape[1], device),
-                                                             rows_per_batch(ids.shape[1]), device))
+    stream_layers(src, device, lambda layer, module: store.map_(_layer_io(src, module, layer, ids.shape[1], device),
+                                                                rows_per_batch(ids.shape[1]), device), by_rows=True)
     return _measure(src, {"source": store}, (), ids, device)[0]
 
 
