@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from attnkit.adapters.families import FAMILIES, Family
@@ -31,8 +30,9 @@ from attnkit.converters.measure import SourceAttention, measure_stage, measure_s
 from attnkit.converters.mla.convert import COPY_FILES
 from attnkit.converters.mla.layer import AttnWeights
 from attnkit.converters.mla.metrics import ErrorStat
-from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, lm_head_name, load_layer,
-                                           load_mlp, moment, open_source, source_pe)
+from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, layer_norms, lm_head_name, moment,
+                                           open_source, source_pe)
+from attnkit.converters.stream import finish_layer, last_layer, stream_layers
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
@@ -160,11 +160,9 @@ def execute(src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tenso
     stages = STAGES[s.merge] if s.kv_heads < src.shape.G else ()
     streams = {"source": h0, **{k: h0.copy(scratch / f"{k}.f32") for k in stages}}
     attn_err = {k: ErrorStat() for k in stages}
-    per_layer = []
-    n_layers = src.config["num_hidden_layers"]
-    for layer in tqdm(range(n_layers), desc=f"{src.path.name}: convert --to gqa", unit="layer"):
-        per_layer.append(_convert_layer(src, s, layer, pe, h_cal, streams, attn_err, writer, last=layer == n_layers - 1))
-        return_freed_memory(trim=True)
+    per_layer = stream_layers(src, dev, lambda layer, module: _convert_layer(src, s, layer, module, pe, h_cal, streams,
+                                                                             attn_err, writer),
+                              f"{src.path.name}: convert --to gqa", mlp="deferred")
     h_cal.close()
     layer_names = {n for n in src.ckpt.keys() if n.startswith(src.prefix)}
     rest = [n for n in src.ckpt.keys() if n not in layer_names]
@@ -180,11 +178,13 @@ def execute(src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tenso
     return build_report(src, s, metrics, attn_err, src_ppl, per_layer)
 
 
-def _convert_layer(src: Source, s: Settings, layer: int, pe, h_cal: RowStore, streams: dict[str, RowStore],
-                   attn_err: dict[str, ErrorStat], writer: ShardedWriter, last: bool) -> dict:
+def _convert_layer(src: Source, s: Settings, layer: int, module: torch.nn.Module, pe, h_cal: RowStore,
+                   streams: dict[str, RowStore], attn_err: dict[str, ErrorStat], writer: ShardedWriter) -> dict:
+    """The streaming engine's hook: merge, measure and write one layer (`module`, its MLP not yet
+    read); advances `h_cal` and every stream through it (`finish_layer`, as the MLA converter does)."""
     shape, dev, fam = src.shape, s.device, src.family
-    module = load_layer(src, layer, dev, mlp=False)
-    norm1, norm2 = getattr(module, fam.norms[0]), getattr(module, fam.norms[1])
+    norms = layer_norms(module, fam)  # h + post1(attn(norm1(h))), h + post2(mlp(norm2(h)))
+    norm1, post1 = norms[:2]
     aw = cpu_weights(module, src)
     identity = s.kv_heads == shape.G
     info: dict = {"layer": layer}
@@ -201,24 +201,17 @@ def _convert_layer(src: Source, s: Settings, layer: int, pe, h_cal: RowStore, st
         if stages:  # the last stage is what is written: measured as stored (output dtype)
             final = list(stages)[-1]
             stages[final] = AttnWeights(*(None if t is None else t.to(s.out_dtype).float() for t in asdict_weights(stages[final])))
-        errs = {}
+        errs, ref = {}, None
         if stages:
             ref = SourceAttention.of(source_attn, norm1, streams["source"], dev)
             for k, weights in stages.items():
                 attn = attention_module(src, weights, shape.G if k == "align" else s.kv_heads, layer, dev)
                 attend = lambda x, a=attn: a(hidden_states=x, position_embeddings=pe, attention_mask=None)[0]  # noqa: E731
-                errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev)
+                errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev, post1)
                 del attn
-            for lo, _, y in ref.blocks(dev):
-                streams["source"].write(lo, streams["source"].read(lo, lo + ROW_BATCH).to(dev) + y)
-            ref.close()
-        else:
-            streams["source"].map_(lambda h: h + source_attn(norm1(h)), ROW_BATCH, dev)
-        if not last and not identity:
-            h_cal.map_(lambda h: h + source_attn(norm1(h)), ROW_BATCH, dev)
-        load_mlp(module, src, layer, dev)
-        for store in (*streams.values(), *(() if last or identity else (h_cal,))):
-            store.map_(lambda h: h + module.mlp(norm2(h)), ROW_BATCH, dev)
+    # the calibration rows are read only by a later layer's merge
+    finish_layer(module, src, layer, dev, norms, source_attn, ref, streams,
+                 None if last_layer(src, layer) or identity else h_cal)
     attn_names = _attention_names(fam, layer)
     prefix = f"{src.prefix}{layer}."
     if identity:

@@ -42,8 +42,9 @@ from attnkit.converters.params import parameter_report
 from attnkit.converters.mla.settings import Settings, resolve_settings
 from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, has_q_bias,
                                            layer_norms, layer_rope, layer_tensors, layer_type, layer_view, layer_window,
-                                           lm_head_name, load_layer, load_mlp, open_source, rope_tables, source_pe,
+                                           lm_head_name, open_source, rope_tables, source_pe,
                                            source_scale, view_moment, window_mask)
+from attnkit.converters.stream import finish_layer, last_layer, stream_layers
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.io.model_card import write_model_card
@@ -203,10 +204,9 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
     stages = measured_stages(t.built, s.report, fam.qk_norm is not None and s.format == "deepseek_v3")
     streams = {"source": h0, **{k: h0.copy(scratch / f"{k}.f32") for k in stages}}
     attn_err = {k: ErrorStat() for k in stages}
-    per_layer = []
-    for layer in p.progress.walk("convert"):
-        per_layer.append(_convert_layer(src, s, t, layer, h_cal, streams, attn_err))
-        return_freed_memory(trim=True)
+    per_layer = stream_layers(src, dev, lambda layer, module: _convert_layer(src, s, t, layer, module, h_cal, streams,
+                                                                             attn_err), "convert",
+                              progress=p.progress, mlp="deferred")
     p.progress.close()
     h_cal.close()
     embed_name = fam.embed + ".weight"
@@ -236,17 +236,18 @@ def measured_stages(built: tuple[str, ...], report: str, folded: bool) -> tuple[
     return tuple(k for k in built if k == "native" or (k == "exact" and folded))
 
 
-def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowStore,
+def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, module: torch.nn.Module, h_cal: RowStore,
                    streams: dict[str, RowStore], attn_err: dict[str, ErrorStat]) -> dict:
-    """Convert, measure and write one layer; advances `h_cal` and every stream through it.
+    """The streaming engine's hook: convert, measure and write one layer (`module`, its MLP not yet
+    read); advances `h_cal` and every stream through it.
 
     Two phases, so that the stages and the MLP are never resident together: (1) attention only —
-    moment, stages, their errors, every stream's attention residual; (2) the MLP. A function of
-    its own so that everything the layer allocated is freed when it returns."""
+    moment, stages, their errors, every stream's attention residual; (2) the MLP (`finish_layer`).
+    A function of its own so that everything the layer allocated is freed when it returns."""
     shape, dev, fam = src.shape, s.device, src.family
     t = _at_layer(src, s, t, layer)
-    module = load_layer(src, layer, dev, mlp=False)
-    norm1, post1, norm2, post2 = layer_norms(module, fam)  # h + post1(attn(norm1(h))), h + post2(mlp(norm2(h)))
+    norms = layer_norms(module, fam)  # h + post1(attn(norm1(h))), h + post2(mlp(norm2(h)))
+    norm1, post1 = norms[:2]
     view = layer_view(src, s.format, module, h_cal, t.src_pe, dev)  # QK norms lifted or folded; else plain
     shape, attn_input = view.shape, (lambda h: view.attn_input(norm1(h)))
     stat = view_moment(module, src, view, h_cal, dev)
@@ -303,15 +304,8 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, h_cal: RowS
                 layer_errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev, post1)
             del attend
         del native, aw, mom, stat, metrics, builders, weights
-        for lo, _, y in ref.blocks(dev):
-            streams["source"].write(lo, streams["source"].read(lo, lo + ROW_BATCH).to(dev) + post1(y))
-        ref.close()
-        last = layer == src.config["num_hidden_layers"] - 1  # the calibration rows are not read after it
-        if not last:
-            h_cal.map_(lambda h: h + post1(source_attn(norm1(h))), ROW_BATCH, dev)
-        load_mlp(module, src, layer, dev)
-        for store in (*streams.values(), *(() if last else (h_cal,))):
-            store.map_(lambda h: h + post2(module.mlp(norm2(h))), ROW_BATCH, dev)
+    # the calibration rows are not read after the last layer
+    finish_layer(module, src, layer, dev, norms, source_attn, ref, streams, None if last_layer(src, layer) else h_cal)
     for name, v in {**{f"self_attn.{k}": v for k, v in tensors.items()}, **layer_tensors(module, fam, s.format)}.items():
         t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
     return {"layer": layer, "beta": beta, "rope_components": {"virtual_head": rope_plan.kept_j.tolist(),
