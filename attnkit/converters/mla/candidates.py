@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from attnkit.converters.common import calibration_tokens
 from attnkit.converters.mla import layer as mla
@@ -28,11 +27,12 @@ from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, layer_dam
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings, rope_cap
 from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, final_hidden, head_chunks,
-                                           layer_norms, layer_rope, layer_view, layer_window, load_layer, moment,
-                                           open_source, run_stage_layer, source_pe, source_scale, through, view_moment,
-                                           window_mask)
+                                           layer_norms, layer_rope, layer_view, layer_window, moment, open_source,
+                                           run_stage_layer, source_pe, source_scale, through, view_moment, window_mask)
+from attnkit.converters.stream import last_layer, stream_layers
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
+from attnkit.io.rowstore import RowStore
 from attnkit.io.tensor_rows import embed_rows
 
 
@@ -52,25 +52,27 @@ def rope_score_pass(src, s, calib: torch.Tensor, scratch: Path | None = None,
     Scores only rank components, so a quarter of the calibration rows (at least 4) is enough; the
     loss scores' damping comes from the same first REFIT_ROWS rows as in the converter's pass.
     `progress`: the conversion's bar to advance (else a bar of its own)."""
-    n_layers = src.config["num_hidden_layers"]
-    scores = []
     with _scratch_dir(scratch) as tmp:
         h = embedded(src, calib[: pre_pass_rows(calib.shape[0])], tmp / "rope-prepass.f32")
-        layers = progress.walk("rope scores") if progress is not None else tqdm(
-            range(n_layers), desc=f"{src.path.name}: rope scores (pre-pass)", unit="layer")
-        for layer in layers:
-            src_pe = source_pe(src, calib.shape[1], s.device, layer)
-            module = load_layer(src, layer, s.device, mlp=layer < n_layers - 1)  # the last layer's output is not read
-            view = layer_view(src, s.format, module, h, src_pe, s.device)
-            mom = view_moment(module, src, view, h, s.device).value
-            first = lambda: view.attn_input(layer_norms(module, src.family)[0](h.read(0, REFIT_ROWS).to(s.device)))  # noqa: E731
-            damping = layer_damping(s, view.aw, src, first, layer_rope(src, layer), layer_window(src, layer))
-            scores.append(mla.rope_scores(view.aw, mom, view.shape, s.rope_method, damping)[1])
-            if layer < n_layers - 1:
-                mask = window_mask(calib.shape[1], layer_window(src, layer), s.device)
-                h.map_(through(module, src_pe, mask), ROW_BATCH, s.device)
-            del module
+        desc = "rope scores" if progress is not None else f"{src.path.name}: rope scores (pre-pass)"
+        # the last layer's output is not read: neither is its MLP
+        scores = stream_layers(src, s.device, lambda layer, module: _rope_scores_layer(src, s, layer, module, h), desc,
+                               progress=progress, mlp="not last")
         h.close()
+    return scores
+
+
+def _rope_scores_layer(src, s, layer: int, module: torch.nn.Module, h: RowStore) -> torch.Tensor:
+    """The pre-pass's hook: one layer's RoPE component scores; advances `h` through the layer."""
+    src_pe = source_pe(src, h.row_shape[0], s.device, layer)
+    view = layer_view(src, s.format, module, h, src_pe, s.device)
+    mom = view_moment(module, src, view, h, s.device).value
+    first = lambda: view.attn_input(layer_norms(module, src.family)[0](h.read(0, REFIT_ROWS).to(s.device)))  # noqa: E731
+    damping = layer_damping(s, view.aw, src, first, layer_rope(src, layer), layer_window(src, layer))
+    scores = mla.rope_scores(view.aw, mom, view.shape, s.rope_method, damping)[1]
+    if not last_layer(src, layer):
+        mask = window_mask(h.row_shape[0], layer_window(src, layer), s.device)
+        h.map_(through(module, src_pe, mask), ROW_BATCH, s.device)
     return scores
 
 
@@ -129,8 +131,8 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     attn_err = {c.name: ErrorStat() for c in candidates}
     with _scratch_dir(scratch) as tmp:
         h_cal = embedded(src, calib, tmp / "calib.f32")
-        for layer in tqdm(range(src.config["num_hidden_layers"]), desc=desc, unit="layer"):
-            _evaluate_layer(src, s, layer, h_cal, streams, candidates, targets, attn_err, positions, src_pe, cal_pe)
+        stream_layers(src, dev, lambda layer, module: _evaluate_layer(src, s, layer, module, h_cal, streams, candidates,
+                                                                      targets, attn_err, positions, src_pe, cal_pe), desc)
         h_cal.close()
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
     finals = {k: final_hidden(src, h, final_norm) for k, h in streams.items()}
@@ -145,12 +147,11 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     return src_ppl, results
 
 
-def _evaluate_layer(src, s, layer: int, h_cal, streams: dict, candidates: list[Candidate], targets: dict,
-                    attn_err: dict, positions, src_pe, cal_pe) -> None:
-    """One layer of `evaluate`: every candidate's stage from the same moment; advances every stream."""
+def _evaluate_layer(src, s, layer: int, module: torch.nn.Module, h_cal: RowStore, streams: dict,
+                    candidates: list[Candidate], targets: dict, attn_err: dict, positions, src_pe, cal_pe) -> None:
+    """`evaluate`'s hook: every candidate's stage of one layer from the same moment; advances every stream."""
     shape, dev, fam = src.shape, s.device, src.family
     src_inv, src_att = source_rope(fam, src.hf_config)
-    module = load_layer(src, layer, dev)
     norm1 = layer_norms(module, fam)[0]
     view = layer_view(src, s.format, module, h_cal, cal_pe, dev)  # QK norms lifted or folded, as the converter's
     mom, aw, shape = view_moment(module, src, view, h_cal, dev).value, view.aw, view.shape
@@ -182,28 +183,33 @@ def _evaluate_layer(src, s, layer: int, h_cal, streams: dict, candidates: list[C
 
 def spectra_pass(src, s, calib: torch.Tensor, rope_dim: int, scores, scratch: Path | None = None) -> list[torch.Tensor]:
     """Every layer's descending latent PCA eigenvalues at this rope_dim (what each kept channel buys)."""
-    shape, fam = src.shape, src.family
-    src_inv, _ = source_rope(fam, src.hf_config)
-    src_pe = source_pe(src, calib.shape[1], s.device)
-    counts, stride = rope_slots(scores, s.rope_frequencies, shape.d, rope_dim)
+    counts, stride = rope_slots(scores, s.rope_frequencies, src.shape.d, rope_dim)
     tgt = target_for(src, s, rope_dim, counts, 2, stride)
-    spectra = []
+    src_pe = source_pe(src, calib.shape[1], s.device)
     with _scratch_dir(scratch) as tmp:
         h_cal = embedded(src, calib, tmp / "calib.f32")
-        for layer in tqdm(range(src.config["num_hidden_layers"]), desc="latent spectra", unit="layer"):
-            module = load_layer(src, layer, s.device)
-            mom, aw = moment(module, fam, h_cal, shape, s.device).value, cpu_weights(module, src)
-            first = lambda: getattr(module, fam.norms[0])(h_cal.read(0, REFIT_ROWS).to(s.device))  # noqa: E731
-            damping = layer_damping(s, aw, src, first, source_rope(fam, src.hf_config))
-            plan = mla.plan_rope(aw, mom, shape, rope_dim, s.rope_method, src_inv, s.rope_frequencies, tgt.inv_freq, counts,
-                                 stride, damping)
-            split = mla.split_keys(aw, plan, shape)
-            metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
-            latent = mla.latent_rows(split, aw, mla.balance_factor(split, aw, mom, metrics), metrics)
-            spectra.append(mla.latent_spectrum(latent, mom))
-            h_cal.map_(through(module, src_pe), ROW_BATCH, s.device)
+        spectra = stream_layers(src, s.device, lambda layer, module: _spectrum_layer(
+            src, s, module, h_cal, rope_dim, tgt.inv_freq, counts, stride, src_pe), "latent spectra")
         h_cal.close()
     return spectra
+
+
+def _spectrum_layer(src, s, module: torch.nn.Module, h_cal: RowStore, rope_dim: int, tgt_inv: torch.Tensor,
+                    counts, stride: int, src_pe) -> torch.Tensor:
+    """`spectra_pass`'s hook: one layer's latent spectrum; advances `h_cal` through the layer."""
+    shape, fam = src.shape, src.family
+    rope = source_rope(fam, src.hf_config)  # (inv_freq, attention scaling)
+    mom, aw = moment(module, fam, h_cal, shape, s.device).value, cpu_weights(module, src)
+    first = lambda: getattr(module, fam.norms[0])(h_cal.read(0, REFIT_ROWS).to(s.device))  # noqa: E731
+    damping = layer_damping(s, aw, src, first, rope)
+    plan = mla.plan_rope(aw, mom, shape, rope_dim, s.rope_method, rope[0], s.rope_frequencies, tgt_inv, counts,
+                         stride, damping)
+    split = mla.split_keys(aw, plan, shape)
+    metrics = mla.attention_metrics(aw, split, shape, mom) if s.objective == "attention" else None
+    latent = mla.latent_rows(split, aw, mla.balance_factor(split, aw, mom, metrics), metrics)
+    spectrum = mla.latent_spectrum(latent, mom)
+    h_cal.map_(through(module, src_pe), ROW_BATCH, s.device)
+    return spectrum
 
 
 def selection_rows(tokenizer, s, calib: torch.Tensor, n_held: int) -> tuple[torch.Tensor, str]:
