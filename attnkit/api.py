@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,7 @@ def convert(model: PathLike, to: str, out: PathLike, config: Any = None, **optio
     seed, dtype, device, force, eval, tasks, limit). Returns OUT's report."""
     from attnkit import registry
     from attnkit.converters.options import ConvertOptions
-    from attnkit.options import check_types, fields_of, from_namespace, into_namespace
+    from attnkit.options import apply_options, check_types, into_namespace
 
     method = registry.get(to)
     args = _parse(["convert", "--to", to, str(model), "-o", str(out)])
@@ -89,13 +88,7 @@ def convert(model: PathLike, to: str, out: PathLike, config: Any = None, **optio
             raise AttnkitError(f"--to {to} does not take {type(cfg).__name__} (it takes: {takes})")
         check_types(cfg)
         into_namespace(cfg, args)
-    known = {f.name for f, _ in fields_of(ConvertOptions)}
-    for key, value in options.items():
-        if key not in known:
-            raise AttnkitError(f"convert() has no option {key!r} (common options: {', '.join(sorted(known))}; "
-                               f"a method's own go in its config)")
-        setattr(args, key, value)
-    check_types(from_namespace(ConvertOptions, args))
+    apply_options(args, ConvertOptions, options, "convert", "; a method's own go in its config")
     _run(args)
     return Report(Path(out), json.loads((Path(out) / "attnkit_report.json").read_text()))
 
@@ -116,54 +109,82 @@ def heal(recipe: PathLike, **overrides: Any) -> Report:
     return Report(out, json.loads(report.read_text()) if report.is_file() else {})
 
 
-def evaluate(model: Any, baseline: Any = None, tasks: str | list[str] = "attnkit-quick", *, limit: int | None = None,
-             batch_size: int = 4, dtype: str = "fp32", device: str | None = None, tokenizer: Any = None,
-             baseline_tokenizer: Any = None, out: PathLike | None = None, verbose: bool = False) -> dict:
-    """`attnkit eval MODEL --baseline BASELINE --tasks TASKS`: lm-eval on the bundled (or any) tasks.
+def evaluate(model: Any, baseline: Any = None, *, tokenizer: Any = None, baseline_tokenizer: Any = None,
+             out: PathLike | None = None, **options: Any) -> dict:
+    """`attnkit eval MODEL --baseline BASELINE`: lm-eval on the bundled (or any) tasks.
     MODEL and BASELINE are MODEL specs (a folder, a Hub id, a bundled name) or in-memory models, each then
-    with its tokenizer. Returns the results `attnkit eval --out` writes (with `retention` when there is a
-    baseline); `out` writes them too."""
-    from attnkit.evaluation import tasks as bundled
+    with its tokenizer. options: `attnkit.evaluation.options.EvalOptions`' fields (tasks, a name or a list;
+    limit, batch_size, dtype, device, verbose), with the command's defaults. Returns the results
+    `attnkit eval --out` writes (with `retention` when there is a baseline); `out` writes them too."""
     from attnkit.cli import check_arguments
+    from attnkit.evaluation import tasks as bundled
+    from attnkit.evaluation.options import EvalOptions
     from attnkit.evaluation.run import check_inputs, evaluate_all, run_eval
+    from attnkit.options import apply_options
 
-    in_memory = not isinstance(model, (str, os.PathLike)) or (baseline is not None
-                                                              and not isinstance(baseline, (str, os.PathLike)))
-    if not in_memory:  # the command itself: the same checks, table and file
-        argv = ["eval", str(model), "--tasks", tasks if isinstance(tasks, str) else ",".join(tasks),
-                "--batch-size", str(batch_size), "--dtype", dtype]
-        argv += [*(["--baseline", str(baseline)] if baseline is not None else []),
-                 *(["--limit", str(limit)] if limit is not None else []), *(["--device", device] if device else []),
-                 *(["--out", str(out)] if out else []), *(["--verbose"] if verbose else [])]
-        args = _parse(argv)
-        check_arguments(args)
-        return run_eval(args)
+    if isinstance(options.get("tasks"), (list, tuple)):
+        options["tasks"] = ",".join(options["tasks"])
+    args = _measured_args("eval", model, baseline, out)
+    settings = apply_options(args, EvalOptions, options, "evaluate")
+    check_arguments(args)
+    if all(isinstance(m, (str, os.PathLike)) for m in (model, baseline) if m is not None):
+        return run_eval(args)  # the command itself: the same checks, table and file
     if out is not None:
         raise AttnkitError("out= is for models given as folders or names (the file names them); with an in-memory "
                            "model, write the returned dict yourself")
-    names = bundled.expand(tasks) if isinstance(tasks, str) else list(tasks)
+    names = bundled.expand(settings.tasks)
     bundled.check_names_without_index(names)
     specs = {"model": model, **({"baseline": baseline} if baseline is not None else {})}
     check_inputs([s for s in specs.values() if isinstance(s, (str, os.PathLike))])
-    return evaluate_all(specs, names, limit, batch_size, dtype, device, verbose,
-                        tokenizers={"model": tokenizer, "baseline": baseline_tokenizer})
+    return evaluate_all(specs, names, settings.limit, settings.batch_size, settings.dtype, settings.device,
+                        settings.verbose, tokenizers={"model": tokenizer, "baseline": baseline_tokenizer})
 
 
-def bench(model: PathLike, baseline: PathLike | None = None, *, context: tuple[int, ...] | list[int] = (1024, 4096, 16384),
-          batch: tuple[int, ...] | list[int] = (1,), out: PathLike | None = None, **options: Any) -> dict:
+def bench(model: Any, baseline: Any = None, *, out: PathLike | None = None, **options: Any) -> dict:
     """`attnkit bench MODEL --baseline BASELINE`: prefill/decode speed, peak memory, KV-cache bytes.
-    options: the command's other flags by their names (decode_tokens, repeats, attn, dtype, device,
-    threads, clock, prefill_chunk). Returns the results `--out` writes."""
-    from attnkit.evaluation.bench import measure
-
-    argv = ["bench", str(model), "--context", ",".join(map(str, context)), "--batch", ",".join(map(str, batch))]
-    argv += [*(["--baseline", str(baseline)] if baseline is not None else []), *(["--out", str(out)] if out else [])]
-    args = _parse(argv)
-    _set_options(args, options, "bench")
+    MODEL and BASELINE are MODEL specs or in-memory models; an in-memory model is measured in its own dtype
+    and on its own device (both models then on that one), and `attn` switches an MLA model's attention
+    path in place. options: `attnkit.evaluation.options.BenchOptions`' fields (context, batch,
+    decode_tokens, repeats, attn, baseline_attn, threads, clock, prefill_chunk, dtype, device), with the
+    command's defaults. Returns the results `--out` writes."""
     from attnkit.cli import check_arguments
+    from attnkit.evaluation.bench import measure
+    from attnkit.evaluation.options import BenchOptions
+    from attnkit.options import apply_options
 
+    args = _measured_args("bench", model, baseline, out)
+    apply_options(args, BenchOptions, options, "bench")
+    in_memory = [m for m in (model, baseline) if m is not None and not isinstance(m, (str, os.PathLike))]
+    if in_memory:
+        args.dtype, args.device = _placement(in_memory, options)
     check_arguments(args)
     return measure(args)
+
+
+def _placement(models: list, options: dict[str, Any]) -> tuple[str, str]:
+    """(dtype, device) of in-memory models, as bench names them: they are measured where they are, so
+    dtype= and device= are refused for them, as are two models in different places."""
+    from attnkit.evaluation.kv import short_dtype
+
+    if "dtype" in options or "device" in options:
+        raise AttnkitError("an in-memory model is benchmarked in its own dtype and on its own device; "
+                           "move it first (model.to(...)) instead of passing dtype= or device=")
+    places = {(short_dtype(next(m.parameters()).dtype), str(next(m.parameters()).device)) for m in models}
+    if len(places) > 1:
+        raise AttnkitError(f"the in-memory models are in different dtypes or devices ({sorted(places)}); "
+                           "bench measures both in one")
+    dtype, device = places.pop()
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise AttnkitError(f"bench measures bf16, fp16 or fp32 models, not {dtype}; move the model first (model.to(...))")
+    return dtype, device
+
+
+def _measured_args(command: str, model: Any, baseline: Any, out: PathLike | None) -> argparse.Namespace:
+    """The command's parsed defaults with the models and --out set (an in-memory model is kept as it is)."""
+    args = _parse([command, "MODEL"])
+    args.model, args.baseline = (m if m is None or not isinstance(m, os.PathLike) else str(m) for m in (model, baseline))
+    args.out = None if out is None else str(out)
+    return args
 
 
 def push(folder: PathLike, repo_id: str, *, private: bool = False, revision: str | None = None,
@@ -173,10 +194,3 @@ def push(folder: PathLike, repo_id: str, *, private: bool = False, revision: str
 
     return upload(str(folder), repo_id, token=token, endpoint=endpoint, private=private, revision=revision,
                   create_pr=create_pr)
-
-
-def _set_options(args: argparse.Namespace, options: Mapping[str, Any], command: str) -> None:
-    for key, value in options.items():
-        if not hasattr(args, key) or key in ("command", "model", "baseline", "out"):
-            raise AttnkitError(f"{command}() has no option {key!r}")
-        setattr(args, key, value)

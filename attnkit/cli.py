@@ -30,17 +30,6 @@ HANDLERS = {
 MODEL_HELP = "a Hub id (owner/name), a local folder, or `reference` / `reference-qwen3` for a bundled model"
 
 
-def _int_list(text: str) -> list[int]:
-    """"1024,4096" -> [1024, 4096]; at least one value, every one positive."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
 def _add_convert(sub) -> None:
     """The options come from the option classes (`attnkit/options.py`): the common ones, then one group
     per class the registered methods read (`attnkit/registry.py`)."""
@@ -82,55 +71,38 @@ def _add_finetune(sub) -> None:
     _add_recipe_args(p, "recipes/heal-mla.yaml")
 
 
-def _add_measured_models(p: argparse.ArgumentParser, what: str, baseline_help: str) -> None:
-    """MODEL, --baseline, --device, --dtype: what `eval` and `bench` both take."""
+def _add_measured_models(p: argparse.ArgumentParser, options: type, baseline_help: str) -> None:
+    """MODEL and --baseline, what `eval` and `bench` both take, then the command's option class."""
+    from attnkit.options import add_arguments
+
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--baseline", metavar="MODEL", default=None, help=baseline_help)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32", help=f"{what} dtype")
+    add_arguments(p, options)
 
 
 def _add_eval(sub) -> None:
+    from attnkit.evaluation.options import EvalOptions
+
     p = sub.add_parser(
         "eval",
         help="measure quality with lm-eval-harness (offline bundled tasks by default)",
         description="Evaluate MODEL (and --baseline) on lm-eval tasks; print a table, write JSON.",
         epilog="example:\n  attnkit eval out/ref-mla --baseline reference --tasks attnkit-core --out results.json",
     )
-    _add_measured_models(p, "evaluation", "a second model; retention = model / baseline")
-    p.add_argument(
-        "--tasks",
-        default="attnkit-quick",
-        help="attnkit-quick (default: a subset of attnkit-ppl and attnkit-complete, and attnkit-recall-256; "
-        "seconds per small model on a CPU), attnkit-core (all bundled tasks, what recipes run), "
-        "or comma-separated lm-eval task names",
-    )
-    p.add_argument("--limit", type=int, default=None, help="at most N documents per task (quick checks)")
-    p.add_argument("--batch-size", type=int, default=4, help="lm-eval batch size")
+    _add_measured_models(p, EvalOptions, "a second model; retention = model / baseline")
     p.add_argument("--out", default=None, metavar="FILE", help="write results JSON here")
-    p.add_argument("--verbose", action="store_true", help="show lm-eval's own logs, warnings and progress bars")
 
 
 def _add_bench(sub) -> None:
+    from attnkit.evaluation.options import BenchOptions
+
     p = sub.add_parser(
         "bench",
         help="measure prefill/decode speed, peak memory and KV-cache bytes",
         description="Benchmark MODEL (and --baseline) at several context lengths and batch sizes.",
         epilog="example:\n  attnkit bench out/ref-mla --baseline reference --context 1024,4096",
     )
-    _add_measured_models(p, "benchmark", "a second model measured side by side")
-    p.add_argument("--context", type=_int_list, default=[1024, 4096, 16384], help="context lengths, comma-separated")
-    p.add_argument("--batch", type=_int_list, default=[1], help="batch sizes, comma-separated")
-    p.add_argument("--decode-tokens", type=int, default=32, help="tokens generated per decode measurement")
-    p.add_argument("--repeats", type=int, default=3, help="repeated runs (median and spread reported)")
-    p.add_argument("--attn", choices=["absorbed", "expanded", "auto"], default="auto", help="MLA attention path")
-    p.add_argument("--baseline-attn", choices=["absorbed", "expanded", "auto"], default=None,
-                   help="MLA attention path of --baseline (default: same as --attn)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="time with the wall clock, or process CPU time (steadier on a shared CPU; CUDA: always wall)")
-    p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
-                   help="prefill in chunks of N tokens through the cache (default 0: the whole prompt at once)")
+    _add_measured_models(p, BenchOptions, "a second model measured side by side")
     p.add_argument("--out", default=None, metavar="FILE", help="write results JSON (and a PNG beside it)")
 
 
@@ -222,26 +194,21 @@ def load_handler(spec: str, label: str):
     return getattr(module, func)
 
 
-def _at_least(args: argparse.Namespace, name: str, low: int, what: str) -> None:
-    value = getattr(args, name, None)
-    if value is not None and value < low:
-        raise AttnkitError(f"--{name.replace('_', '-')} must be {what}, got {value}")
-
-
 def check_arguments(args: argparse.Namespace) -> None:
     """Numbers argparse takes as plain ints but the commands cannot use: one line before any work."""
+    from attnkit.evaluation.options import BenchOptions, EvalOptions, at_least
+    from attnkit.options import from_namespace
+
     if args.command == "eval":
-        _at_least(args, "limit", 1, "a positive number of documents per task (leave it out for all)")
-        _at_least(args, "batch_size", 1, "at least 1")
+        from_namespace(EvalOptions, args).check()
     elif args.command == "bench":
-        _at_least(args, "threads", 1, "at least 1 (leave it out for torch's choice)")
-        _at_least(args, "prefill_chunk", 0, "a number of tokens, or 0 for the whole prompt at once")
+        from_namespace(BenchOptions, args).check()
         if args.out:
             from attnkit.io.checkpoint import check_can_write
 
             check_can_write(args.out)  # now, not after the whole benchmark
     elif args.command == "convert":
-        _at_least(args, "limit", 1, "a positive number of documents per task (leave it out for all)")
+        at_least("--limit", args.limit, 1, "a positive number of documents per task (leave it out for all)")
         if args.limit is not None and not args.eval:
             raise AttnkitError("--limit applies to --eval (the evaluation after the conversion)")
         check_method_options(args)

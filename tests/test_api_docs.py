@@ -41,7 +41,7 @@ def test_api_examples_run(tmp_path, monkeypatch, capsys, hub):
     assert "--kv-heads must be in 1..2 (the source's KV heads), got 3" in out and "--to mla does not take TitansConfig" in out
     assert namespace["report"].method == "mla" and 0 < namespace["report"].kv_cache_fraction < 1
     assert namespace["results"]["tasks"] == ["attnkit-ppl"] and (work / "out/ref-mla/eval_results.json").is_file()
-    assert "comparison" in namespace["speed"]
+    assert "comparison" in namespace["speed"] and "bench() has no option 'repeat' (options: attn, baseline_attn" in out
     assert (work / "out/ref-mla-healed/finetune_report.json").is_file()
     assert "alice/ref-mla-healed" in hub.repos and namespace["url"]
     assert not (work / "out/ref-gqa").exists() and not (work / "out/ref-mla2").exists()  # refused before any work

@@ -218,27 +218,45 @@ def run_case(model, info: dict, context: int, batch: int, args, timer, bandwidth
     return row
 
 
-def resolve(spec: str, args) -> tuple[Path, dict]:
-    """Resolve MODEL and check the requested contexts against its config, before loading any weights."""
+def label_of(spec) -> str:
+    """A MODEL spec's name in the table and JSON: the spec itself, or for an in-memory model its class and
+    where it was loaded from."""
+    if isinstance(spec, str):
+        return spec
+    origin = getattr(getattr(spec, "config", None), "name_or_path", "") or "in memory"
+    return f"{type(spec).__name__} ({origin})"
+
+
+def resolve(spec, args) -> tuple[Path | None, dict]:
+    """Resolve MODEL and check the requested contexts against its config, before loading any weights.
+    An in-memory model (the Python API) has no folder: its config is read from it."""
     from attnkit.converters.shapes import check_weights
     from attnkit.io.resolve import check_causal_lm, resolve_model
 
-    path = resolve_model(spec)
-    raw = check_causal_lm(path)
-    check_weights(path, raw, required=False, where=f"cannot load {spec}")  # one line, not transformers' load report
+    if isinstance(spec, str):
+        path = resolve_model(spec)
+        raw = check_causal_lm(path)
+        check_weights(path, raw, required=False, where=f"cannot load {spec}")  # one line, not transformers' load report
+    else:
+        path, raw = None, spec.config.to_dict()
     text = raw.get("text_config") or raw
-    check_contexts(spec, text.get("max_position_embeddings"), args.context, args.decode_tokens)
+    check_contexts(label_of(spec), text.get("max_position_embeddings"), args.context, args.decode_tokens)
     return path, raw
 
 
-def load_model(spec: str, path: Path, raw: dict, attn: str, dtype: torch.dtype, device: torch.device) -> tuple:
-    """Load MODEL; switch MLA models to the requested attention path."""
+def load_model(spec, path: Path | None, raw: dict, attn: str, dtype: torch.dtype, device: torch.device) -> tuple:
+    """Load MODEL; switch MLA models to the requested attention path. An in-memory model is used as it
+    is (the API checked that it already is in `dtype` on `device`)."""
     from transformers import AutoModelForCausalLM
 
     from attnkit.adapters.mla import enable_absorbed, is_mla
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=bool(raw.get("auto_map")))
-    model.to(device).eval()
+    if path is None:
+        model = spec
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=bool(raw.get("auto_map")))
+        model.to(device)
+    model.eval()
     mla = is_mla(model)
     if mla and attn != "expanded":
         enable_absorbed(model, attn)
@@ -247,7 +265,7 @@ def load_model(spec: str, path: Path, raw: dict, attn: str, dtype: torch.dtype, 
         path_name = "expanded MLA (transformers DeepseekV3Attention)"
     else:
         path_name = "plain (not an MLA model: its own attention, --attn does not apply)"
-    info = {"name": spec, "path": str(path), "model_type": raw.get("model_type"), "mla": mla, "attn": attn,
+    info = {"name": label_of(spec), "path": None if path is None else str(path), "model_type": raw.get("model_type"), "mla": mla, "attn": attn,
             "attn_path": path_name,
             "dtype": str(dtype).replace("torch.", ""), "params": sum(p.numel() for p in model.parameters()),
             "max_position_embeddings": getattr(model.config, "max_position_embeddings", None),
@@ -298,12 +316,12 @@ def case_weight(raw: dict, context: int, batch: int, decode_tokens: int) -> floa
     return batch * n * (1 + n * L * H * d / max(params, 1))
 
 
-def bench_model(spec: str, path: Path, raw: dict, attn: str, args, device, dtype, bandwidth: float, progress) -> dict:
+def bench_model(spec, path: Path | None, raw: dict, attn: str, args, device, dtype, bandwidth: float, progress) -> dict:
     model, info = load_model(spec, path, raw, attn, dtype, device)
     if not info["mla"]:
-        print(f"attnkit bench: {spec} is not an MLA model; measuring its plain attention path", file=sys.stderr)
+        print(f"attnkit bench: {info['name']} is not an MLA model; measuring its plain attention path", file=sys.stderr)
     kv = kv_cache_bytes_per_token(model)  # in the dtype this run loaded the model in (--dtype)
-    stored = kv_as_stored(kv["total"], kv["dtype"], checkpoint_dtype(path) or kv["dtype"])
+    stored = kv_as_stored(kv["total"], kv["dtype"], (path and checkpoint_dtype(path)) or kv["dtype"])
     measured = {"bytes_per_token": kv["total"], **{k: v for k, v in kv.items() if k != "total"}, "dtype": short_dtype(kv["dtype"])}
     # bytes/token as convert and eval count them (in the stored dtype, kv.py), then what this run's cache held
     info.update(kv_cache_bytes_per_token=stored["bytes_per_token"], kv_cache_dtype=stored["dtype"], kv_cache_measured=measured)
@@ -313,7 +331,7 @@ def bench_model(spec: str, path: Path, raw: dict, attn: str, args, device, dtype
     info["results"] = []
     for context in args.context:
         for batch in args.batch:
-            progress.set_postfix_str(f"{spec} ctx={context} batch={batch}")
+            progress.set_postfix_str(f"{info['name']} ctx={context} batch={batch}")
             info["results"].append(run_case(model, info, context, batch, args, timer, bandwidth, device))
             progress.update(case_weight(raw, context, batch, args.decode_tokens))
     timer.remove()
@@ -370,7 +388,8 @@ def _measure(args) -> dict:
     bw = copy_bandwidth(device, clock=CLOCKS[clock])
     result = {
         "schema": "attnkit.bench/v1", "attnkit_version": __version__, "clock": clock,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("func",) and not callable(v)},
+        "settings": {k: (label_of(v) if k in ("model", "baseline") and v is not None else v)
+                     for k, v in vars(args).items() if k in ("model", "baseline") or not (k == "func" or callable(v))},
         "machine": {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "cpu_count": psutil.cpu_count(), "memory_bandwidth": bw},
         "models": {},
