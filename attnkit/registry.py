@@ -1,7 +1,7 @@
 """The conversion methods, found in their folders: each `attnkit/converters/<folder>/__init__.py`
 declares `METHODS`, a tuple of `Method`. The CLI's `--to` choices and option groups, the dispatcher,
-the API, the printout and the model card's titles all read this registry, so a new method is a new
-folder (see docs/architecture.md).
+the API, the printout and the model card (its titles, each method's own sections) all read this
+registry, so a new method is a new folder (see docs/architecture.md).
 
 Discovery imports only the folders' `__init__` and `config` modules: no torch, `attnkit --help` stays fast.
 """
@@ -26,6 +26,9 @@ class Method:
     converter: "module:function" taking the parsed settings, imported only when the method runs.
     configs: the option classes the method reads (their fields are its CLI group and its API config).
     summary: optional "module:function" (report) -> extra printout lines for the method.
+    card: optional "module:function" (the card's reports) -> `attnkit.card.hooks.MethodSections`: what
+        the model card says that only this method knows. Each distinct hook is asked about every card
+        and speaks only when its part is in the folder (attnkit/card/hooks.py).
     order: position in `--to`'s choices.
     """
 
@@ -35,6 +38,7 @@ class Method:
     converter: str
     configs: tuple[type, ...] = ()
     summary: str | None = None
+    card: str | None = None
     order: int = 100
 
     def __post_init__(self) -> None:

@@ -1,6 +1,7 @@
 """The package's layering, checked from the source text (no imports run):
 
-- `attnkit.io` is checkpoint I/O for every method and imports nothing from `attnkit.converters`;
+- `attnkit.io` (checkpoint I/O) and `attnkit.card` (the model card) serve every method and import nothing
+  from `attnkit.converters` (a method's card sections reach the card through the registry);
 - no module imports another module's private (`_name`) names, directly or as `module._name`;
 - module-level imports between attnkit modules form no cycle;
 - the modeling code copied into converted checkpoints (`auto_map`) imports no attnkit module.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import attnkit
 
@@ -56,8 +59,9 @@ def _imports(module: str, top_level_only: bool = False):
                     yield target, alias.name, alias
 
 
-def test_io_imports_nothing_from_converters():
-    bad = [(m, t) for m in MODULES if m.startswith("attnkit.io") for t, _, _ in _imports(m)
+@pytest.mark.parametrize("package", ["attnkit.io", "attnkit.card"])
+def test_io_and_card_import_nothing_from_converters(package):
+    bad = [(m, t) for m in MODULES if m == package or m.startswith(package + ".") for t, _, _ in _imports(m)
            if t.startswith("attnkit.converters")]
     assert not bad, bad
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from huggingface_hub import ModelCard
 
 from attnkit.errors import AttnkitError
-from attnkit.io.model_card import GENERATED_MARKER, write_model_card
+from attnkit.card.build import write_model_card
+from attnkit.card.reports import GENERATED_MARKER
 
 CONVERT = {
     "attnkit_version": "0.1.0",
@@ -215,7 +216,7 @@ def test_no_local_path_anywhere_in_the_card(tmp_path):
 
 
 def test_what_counts_as_a_local_path():
-    from attnkit.io.model_card import looks_local
+    from attnkit.card.names import looks_local
 
     for local in ("/home/u/x", "~/x", "./x", "../x", "C:\\models\\x", "out/runs/x"):
         assert looks_local(local), local

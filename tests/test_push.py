@@ -229,7 +229,7 @@ def test_failed_push_changes_nothing_in_the_folder(model_dir, online, monkeypatc
     """The refreshed card travels in the upload; the folder is written only after the push succeeded."""
     import huggingface_hub.utils._http as hf_http
 
-    from attnkit.io.model_card import write_model_card
+    from attnkit.card.build import write_model_card
 
     monkeypatch.setattr(hf_http.time, "sleep", lambda seconds: None)  # no backoff waits on 500
     folder = _copy(model_dir, tmp_path)

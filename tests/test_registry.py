@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -16,12 +17,14 @@ import attnkit
 import attnkit.converters
 from attnkit import registry
 from attnkit.cli import build_parser, main as cli_main
-from attnkit.io.model_card import build_card
+from attnkit.card.build import build_card
 
 ROOT = Path(attnkit.__file__).resolve().parent
 # the modeling code copied into checkpoints reads the method from the checkpoint's config and runs
 # without attnkit installed, so it cannot read the registry (tests/test_layout.py: REMOTE_CODE)
 SELF_CONTAINED = ROOT / "adapters"
+# serve every method and name none: a method's words in the card come from its folder's card hook
+NAMELESS = (ROOT / "card", ROOT / "io")
 
 
 def _convert_choices() -> list[str]:
@@ -85,6 +88,32 @@ def test_no_dispatch_on_method_names_outside_their_folders():
                 if len(keys) >= 2:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {keys}")
     assert not found, found
+
+
+def test_the_card_and_io_name_no_method():
+    """Not in code, strings, docstrings or comments: MLA's serving advice or Titans' state note written
+    here would be a method's knowledge outside its folder (they are `converters/<method>/card.py`)."""
+    words = sorted({w for name in registry.methods() for w in name.split("+")})
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, words)) + r")(?![\w-])", re.IGNORECASE)
+    found = [f"{path.relative_to(ROOT)}:{n} {match.group(0)}" for folder in NAMELESS for path in sorted(folder.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) for match in pattern.finditer(line)]
+    assert not found, found
+
+
+def test_card_sections_come_from_the_method_folders():
+    """A plain MLA output's card serves from mla/card.py, a Titans output's state note from titans/card.py;
+    a method without a hook adds nothing."""
+    hooks = {m.name: m.card for m in registry.methods().values()}
+    assert hooks["mla"] == "attnkit.converters.mla.card:card_sections"
+    assert hooks["titans"] == hooks["mla+titans"] == "attnkit.converters.titans.card:card_sections"
+    kv = {"before": 100, "after": 50}
+    state = {"window": 64, "memory_depth": 1, "state_bytes": {"contexts": [64], "bytes": [10]}}
+    titans = str(build_card({"convert": {"method": "titans", "kv_cache_bytes_per_token": kv, "titans": state},
+                             "finetune": None, "eval": None, "config": None}))
+    assert "The state is bounded: the last 63 tokens'" in titans and "Serving:" not in titans
+    mla = str(build_card({"convert": {"method": "mla", "kv_cache_bytes_per_token": kv}, "finetune": None, "eval": None,
+                          "config": {"model_type": "deepseek_v3"}}))
+    assert "Serving: **transformers only**" in mla and "The state is" not in mla
 
 
 def test_an_option_of_another_method_is_refused(capsys):

@@ -31,7 +31,7 @@ from attnkit.errors import AttnkitError
 from attnkit.evaluation.ppl import held_out
 from attnkit.evaluation.kv import kv_as_stored, kv_cache_bytes_per_token, kv_change, short_dtype
 from attnkit.io.checkpoint import ShardedWriter, atomic_output_dir, check_output_dir
-from attnkit.io.model_card import write_model_card
+from attnkit.card.build import write_model_card
 from attnkit.io.resolve import resolve_model
 
 ANNEAL_FRACTION = 0.25  # λ (and DIFF's norm) ramp in over the first quarter of the fine-tune

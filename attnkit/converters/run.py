@@ -13,7 +13,7 @@ from attnkit.errors import AttnkitError
 def eval_args(args: argparse.Namespace) -> argparse.Namespace:
     """What `attnkit eval OUT --baseline MODEL --tasks TASKS --out OUT/eval_results.json` would parse
     to: the results land where `attnkit push` reads them for the model card."""
-    from attnkit.io.model_card import EVAL_RESULTS
+    from attnkit.card.reports import EVAL_RESULTS
 
     return argparse.Namespace(model=args.out, baseline=args.model, tasks=args.tasks, limit=getattr(args, "limit", None),
                               batch_size=4, dtype="fp32", device=args.device, out=str(Path(args.out) / EVAL_RESULTS), verbose=False)
@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     # one process for both: the imports and the source's tokenizer are not paid twice (the README's first command)
     from attnkit.converters.measure import end_conversion_memory_policy
     from attnkit.evaluation.run import main as evaluate
-    from attnkit.io.model_card import write_model_card
+    from attnkit.card.build import write_model_card
 
     end_conversion_memory_policy()
     try:

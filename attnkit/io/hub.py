@@ -26,9 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnkit.card.build import generated_card, save_card
+from attnkit.card.reports import CARD_FILE
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import INDEX_FILE, LazyCheckpoint, check_finite, keys_of, scratch_dir
-from attnkit.io.model_card import CARD_FILE, generated_card, save_card
 
 # Never uploaded: training state, caches, editor/OS litter and attnkit's own temporary files.
 # Directory patterns end with "/" (huggingface_hub matches everything below them).
@@ -119,7 +120,7 @@ def _check_tensor_names(folder: Path, names: set[str]) -> None:
 
     Skipped for remote-code models (checking would execute the folder's code). Model types whose
     checkpoints transformers converts on load (DeepSeek-V3 among them) fuse MoE experts, so expert
-    tensors are not compared there; dense MLA outputs have none.
+    tensors are not compared there; attnkit's dense outputs have none.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -13,5 +13,6 @@ ALONE = {
 
 
 def step_alone(step: dict) -> str:
-    """A report step's `alone` word; reports without it (GQA, older MLA) from their `exact` flag."""
+    """A report step's `alone` word; reports without it (converters and releases that
+    wrote only `exact`) from their `exact` flag."""
     return step.get("alone") or ("exact" if step.get("exact") else "lossy")

@@ -82,7 +82,7 @@ def _copy_convert_report(student_path: Path, tmp: Path) -> None:
 
 def _write_card(folder: Path) -> None:
     try:
-        from attnkit.io.model_card import write_model_card
+        from attnkit.card.build import write_model_card
     except ModuleNotFoundError:  # the publish engineer's module; older checkouts lack it
         return
     write_model_card(folder)

@@ -368,7 +368,7 @@ def export(model, tokenizer, recipe: PretrainRecipe, summary: dict) -> None:
 
 
 def _card(recipe: PretrainRecipe, s: dict, model_class: str = "LlamaForCausalLM", model_type: str = "llama") -> str:
-    from attnkit.io.model_card import scrub  # a local corpus path by its folder name: the card is public
+    from attnkit.card.names import scrub  # a local corpus path by its folder name: the card is public
 
     m, corpus = recipe.model, scrub(recipe.corpus)
     kind = "mha" if m.num_key_value_heads == m.num_attention_heads else "mqa" if m.num_key_value_heads == 1 else "gqa"

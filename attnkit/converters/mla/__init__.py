@@ -6,6 +6,7 @@
 - `source`: the source model streamed one layer at a time;
 - `settings`, `metrics`, `report`: validated options, error measures, `attnkit_report.json`;
 - `candidates`: measured candidate conversions (`--kv-budget`);
+- `card`: what the model card says of an output with an MLA part (serving, fine-tuning);
 - `convert`: the driver (plan, then execute).
 """
 
@@ -15,5 +16,6 @@ from attnkit.registry import Method
 METHODS = (
     Method("mla", title="multi-head latent attention (MLA, DeepSeek-V2/V3 style)",
            help="GQA/MHA/MQA -> a dense DeepSeek-V3 MLA checkpoint (a smaller KV cache)",
-           converter="attnkit.converters.mla.convert:convert", configs=(MLAConfig,), order=0),
+           converter="attnkit.converters.mla.convert:convert", configs=(MLAConfig,),
+           card="attnkit.converters.mla.card:card_sections", order=0),
 )
