@@ -11,7 +11,7 @@ Arms (each starts from MODEL and sees the same token rows in the same order):
   diff        the same with `--to diff` (`modules_to_save=["diff", "diff_q_proj"]`)
 
 Per arm: held-out perplexity (validation split), `attnkit eval` tasks through
-`attnkit.evaluation.run.evaluate_model` when that module exists, normalised attention entropy of
+`attnkit.evaluation.score.evaluate_model` when that module exists, normalised attention entropy of
 the heads DEX selected (softmax maps), and the largest activation magnitudes (decoder-layer
 outputs; attention outputs before o_proj). Writes JSON, prints a table, plots the loss curves.
 """
@@ -162,7 +162,7 @@ def _track(x: torch.Tensor, store: dict) -> None:
 
 def lm_eval_metrics(model, tokenizer, limit) -> dict | None:
     try:
-        from attnkit.evaluation.run import evaluate_model
+        from attnkit.evaluation.score import evaluate_model
     except ModuleNotFoundError:
         return None
     return evaluate_model(model, tokenizer=tokenizer, tasks="attnkit-core", limit=limit)["metrics"]

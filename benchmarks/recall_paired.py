@@ -39,7 +39,7 @@ def choice_scores(model, tokenizer, context: str, choices: list[str]) -> list[fl
 
 
 def correct(model_spec: str, items: list[dict]) -> list[bool]:
-    from attnkit.evaluation.run import load_model
+    from attnkit.evaluation.load import load_model
 
     model, tokenizer, _ = load_model(model_spec)  # eval mode, attnkit's classes registered
     out = []

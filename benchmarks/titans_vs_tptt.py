@@ -36,7 +36,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from attnkit.data import pack_tokens
-from attnkit.evaluation.run import evaluate_model
+from attnkit.evaluation.score import evaluate_model
 from attnkit.io.resolve import resolve_model
 from attnkit.training.batches import EpochRows
 

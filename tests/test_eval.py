@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from attnkit.cli import main
-from attnkit.evaluation import run
+from attnkit.evaluation import present, run, score
 from attnkit.evaluation import tasks as bundled
 from attnkit.io.resolve import REFERENCE_DIR
 
@@ -114,19 +114,19 @@ def _result(with_baseline: bool = True) -> dict:
         base = {**model, "metrics": {"attnkit-ppl": {"token_perplexity": 30.0}, "attnkit-recall-256": {"acc": 0.5}},
                 "kv_cache_bytes_per_token": 4096, "params": 5}
         result["models"]["baseline"] = base
-        result["retention"] = run.retention(model, base)
+        result["retention"] = score.retention(model, base)
     return result
 
 
 def test_table_says_direction_items_and_kv_dtype():
-    lines = run.format_table(_result()).splitlines()
+    lines = present.format_table(_result()).splitlines()
     rows = {tuple(line.split()[:2]): line.split() for line in lines[2:] if line.startswith(("attnkit", "model"))}
     assert rows[("attnkit-ppl", "token_perplexity")][2:] == ["lower", "24", "33.0000", "30.0000", "1.100"]
     assert rows[("attnkit-recall-256", "acc")][2:] == ["higher", "40", "0.4000", "0.5000", "0.800"]
     kv = next(line for line in lines if "KV bytes/token" in line)
     assert "KV bytes/token (bf16, as stored)" in kv and kv.split()[-3:] == ["1,216", "4,096", "0.297"]
     assert any(line.startswith("retention = model / baseline") for line in lines)
-    alone = run.format_table(_result(with_baseline=False))
+    alone = present.format_table(_result(with_baseline=False))
     assert "retention" not in alone and "KV bytes/token (bf16, as stored)" in alone
     # the perplexity it prints is named with its text and windows (the model card says the same)
     from attnkit.evaluation.ppl import TASK_SENTENCE
@@ -134,7 +134,7 @@ def test_table_says_direction_items_and_kv_dtype():
     assert lines[-1] == TASK_SENTENCE and "1024-token windows" in TASK_SENTENCE
     result = _result()
     result["models"]["model"]["metrics"]["attnkit-ppl"]["word_perplexity"] = 21470.9  # lm-eval's: in the JSON only
-    assert "word_perplexity" not in run.format_table(result)
+    assert "word_perplexity" not in present.format_table(result)
 
 
 def test_table_gives_the_stored_and_the_measured_kv_dtype():
@@ -142,21 +142,21 @@ def test_table_gives_the_stored_and_the_measured_kv_dtype():
     result = _result()
     for role, n in (("model", 1216), ("baseline", 4096)):
         result["models"][role].update(dtype="float32", kv_cache_measured={"bytes_per_token": 2 * n, "dtype": "fp32"})
-    result["retention"] = run.retention(result["models"]["model"], result["models"]["baseline"])
-    lines = run.format_table(result).splitlines()
+    result["retention"] = score.retention(result["models"]["model"], result["models"]["baseline"])
+    lines = present.format_table(result).splitlines()
     stored = next(line for line in lines if "KV bytes/token (bf16, as stored)" in line)
     measured = next(line for line in lines if "KV bytes/token (fp32, in this run)" in line)
     assert stored.split()[-3:] == ["1,216", "4,096", "0.297"] and measured.split()[-3:] == ["2,432", "8,192", "0.297"]
     result["models"]["baseline"]["kv_cache_dtype"] = "fp32"  # stored in different dtypes: each figure says its own
-    assert "1,216 bf16" in run.format_table(result) and "4,096 fp32" in run.format_table(result)
+    assert "1,216 bf16" in present.format_table(result) and "4,096 fp32" in present.format_table(result)
 
 
 def test_missing_baseline_fails_before_any_model_loads(tiny_model, monkeypatch, capsys):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a model was loaded or evaluated before --baseline was checked")
 
-    monkeypatch.setattr(run, "load_model", must_not_run)
-    monkeypatch.setattr(run, "_evaluate", must_not_run)
+    monkeypatch.setattr(score, "load_model", must_not_run)
+    monkeypatch.setattr(run, "evaluate", must_not_run)
     assert main(["eval", str(tiny_model), "--baseline", "/no/such/baseline"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "/no/such/baseline" in err[0] and "does not exist" in err[0]

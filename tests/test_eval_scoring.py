@@ -8,7 +8,8 @@ from lm_eval.models.huggingface import HFLM
 from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from attnkit.evaluation import scoring
-from attnkit.evaluation.run import Progress, eval_threads
+from attnkit.evaluation.present import Progress
+from attnkit.evaluation.score import eval_threads
 from attnkit.evaluation.scoring import SharedPrefixLM, group_by_context
 from attnkit.io.resolve import REFERENCE_DIR
 

@@ -153,11 +153,11 @@ def test_bad_numbers_are_one_line(tmp_path, capsys, argv, words):
 
 @pytest.mark.parametrize("command", ["eval", "bench"])
 def test_unwritable_out_file_is_refused_before_loading(tmp_path, capsys, monkeypatch, command):
-    import attnkit.evaluation.run as run
+    import attnkit.evaluation.score as score
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(score, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     refused_in_one_line(lambda: main([command, "reference", "--out", str(blocker / "r.json")]), capsys,
                         blocker / "r.json", "cannot be written", "is a file, not a folder")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 HELD_OUT = "held-out ppl"
 TASK = "attnkit-ppl"
 VALIDATION = "validation ppl"
-WINDOW = 1024  # attnkit eval's rolling window (evaluation.run.DEFAULT_MAX_LENGTH)
+WINDOW = 1024  # attnkit eval's rolling window (evaluation.score.DEFAULT_MAX_LENGTH)
 PPL_FILES = 24  # documents of the attnkit-ppl task (tasks/data/ppl.jsonl); attnkit-ppl-quick: the first 8
 
 # metrics of the attnkit-ppl tasks that eval prints and the card shows, in this order: the figure first

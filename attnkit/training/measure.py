@@ -39,14 +39,13 @@ def reduce_loss(accelerator, total: float, count: int) -> dict[str, float]:
 
 
 def eval_tasks(model, tokenizer, tasks: str | None, limit: int | None) -> tuple[dict | None, str | None]:
-    """`attnkit.evaluation.run.evaluate_model` on the in-memory model; (result, note-if-skipped)."""
+    """`attnkit.evaluation.score.evaluate_model` on the in-memory model; (result, note-if-skipped)."""
     if not tasks:
         return None, None
     try:
-        run = importlib.import_module("attnkit.evaluation.run")
-        evaluate_model = run.evaluate_model
+        evaluate_model = importlib.import_module("attnkit.evaluation.score").evaluate_model
     except (ModuleNotFoundError, AttributeError):
-        return None, "eval tasks skipped: attnkit.evaluation.run.evaluate_model is not available in this version"
+        return None, "eval tasks skipped: attnkit.evaluation.score.evaluate_model is not available in this version"
     was_training = model.training
     model.eval()
     try:
