@@ -4,7 +4,9 @@ Every field of the published config.json is kept except the sizes: RoPE scaling 
 max_position_embeddings, tie_word_embeddings, biases, sliding windows, softcapping, query_pre_attn_scalar,
 head_dim != hidden / heads where the model has it. Per config: `--to mla` at full size must be exact
 (logits relative error < 1e-4), `--to dex --heads all` must be exact at step 0; a family attnkit does not
-take must be refused with exit 2, one stderr line and no output folder.
+take must be refused with exit 2, one stderr line and no output folder. Every other method converts each
+config too (`test_every_method`): exact where the method is exact at conversion (diff, titans within its
+window, mla+dex / mla+titans at MLA's full size), loadable with the cache it promises where it is lossy (gqa).
 """
 
 from __future__ import annotations
@@ -41,14 +43,15 @@ def _move_id(value, default: int):
     return value if value < VOCAB else default
 
 
-def tiny_fields(name: str) -> dict:
-    """The published config of `name` (file stem) with only its sizes shrunk."""
+def tiny_fields(name: str, kv_heads: int | None = None) -> dict:
+    """The published config of `name` (file stem) with only its sizes shrunk (to `kv_heads` KV heads, or
+    as few as keep 4 query heads), the query/KV head ratio kept."""
     fields = json.loads((CONFIGS / f"{name}.json").read_text())
     for key in DROPPED:
         fields.pop(key, None)
     heads, kv = fields["num_attention_heads"], fields.get("num_key_value_heads") or fields["num_attention_heads"]
     ratio = heads // kv
-    n_kv = max(1, 4 // ratio)
+    n_kv = kv_heads or max(1, 4 // ratio)
     n_q = n_kv * ratio
     explicit_head_dim = fields.get("head_dim") is not None
     decoupled = explicit_head_dim and fields["head_dim"] * heads != fields["hidden_size"]
@@ -75,8 +78,8 @@ def tiny_fields(name: str) -> dict:
     return fields
 
 
-def build(name: str, folder: Path, seed: int = 0) -> Path:
-    fields = tiny_fields(name)
+def build(name: str, folder: Path, seed: int = 0, kv_heads: int | None = None) -> Path:
+    fields = tiny_fields(name, kv_heads)
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -93,12 +96,15 @@ def convert(method: str, src: Path, out: Path, calib: Path, *extra: str) -> int:
     return main(["convert", "--to", method, str(src), "-o", str(out), "--calib", str(calib), *FAST, *extra])
 
 
-def mla_full_size(src: Path) -> list[str]:
+def mla_full_size(src: Path, name: str | None = None) -> list[str]:
+    """MLA arguments that keep every K/V dimension (exact): the DeepSeek-V3 form's rank counts one latent-norm
+    channel; for a config in NO_NORM_CHANNEL (written in attnkit's format, `name` given) it does not."""
     cfg = AutoConfig.from_pretrained(src)
     G, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     R = G * d
+    norm_channel = 0 if name in NO_NORM_CHANNEL else 1
     return ["--target", "transformers", "--dtype", "fp32",
-            "--kv-lora-rank", str(2 * G * d - R + 1), "--rope-dim", str(R)]
+            "--kv-lora-rank", str(2 * G * d - R + norm_channel), "--rope-dim", str(R)]
 
 
 NAMES = sorted(p.stem for p in CONFIGS.glob("*.json"))
@@ -107,6 +113,7 @@ NAMES = sorted(p.stem for p in CONFIGS.glob("*.json"))
 MLA = {
     "HuggingFaceTB--SmolLM2-135M": "exact",
     "Qwen--Qwen2.5-7B": "exact",
+    "Qwen--Qwen2.5-7B-yarn": "exact",
     "Qwen--Qwen3-8B": "exact",
     "google--gemma-2-2b": ("gemma2", "softcapping"),
     "meta-llama--Llama-3.1-8B": "exact",
@@ -117,6 +124,7 @@ MLA = {
 DEX = {
     "HuggingFaceTB--SmolLM2-135M": "exact",
     "Qwen--Qwen2.5-7B": "exact",
+    "Qwen--Qwen2.5-7B-yarn": "exact",
     "Qwen--Qwen3-8B": ("qwen3", "not recognised for DEX"),
     "google--gemma-2-2b": ("gemma2", "not recognised for DEX"),
     "meta-llama--Llama-3.1-8B": "exact",
@@ -143,10 +151,11 @@ def sources(tmp_path_factory):
     """name -> tiny checkpoint folder, built on first use and shared by the tests of this module."""
     root, built = tmp_path_factory.mktemp("real"), {}
 
-    def get(name: str) -> Path:
-        if name not in built:
-            built[name] = build(name, root / name)
-        return built[name]
+    def get(name: str, kv_heads: int | None = None) -> Path:
+        if (name, kv_heads) not in built:
+            built[name, kv_heads] = build(name, root / (name if kv_heads is None else f"{name}-kv{kv_heads}"),
+                                           kv_heads=kv_heads)
+        return built[name, kv_heads]
 
     return get
 
@@ -201,3 +210,36 @@ def test_dex_all_heads(sources, calib, tmp_path, capsys, name, expected):
     assert convert("dex", src, out, calib, "--heads", "all") == 0
     report = json.loads((out / "attnkit_report.json").read_text())
     assert report["steps"][-1]["exact"] is True
+
+
+# The other methods, per config: "exact" (the written model's logits equal the source's to < 1e-4 and the
+# report's last step is exact), "lossy" (converted, loads, fewer KV heads, finite logits) or refusal words.
+RETROFITS = ("diff", "titans", "mla+dex", "mla+titans")
+REFUSED_RETROFIT = {"Qwen--Qwen3-8B": ("qwen3", "not recognised"), "google--gemma-2-2b": ("gemma2", "not recognised"),
+                    "microsoft--Phi-3.5-mini-instruct": ("phi3", "not recognised")}
+OTHERS = {(name, method): REFUSED_RETROFIT.get(name, "exact") for name in NAMES for method in RETROFITS}
+OTHERS.update({(name, method): MLA[name] for name in NAMES for method in ("mla+dex", "mla+titans")
+               if MLA[name] != "exact"})  # refused by their MLA step, in its words
+OTHERS.update({("Qwen--Qwen3-8B", m): ("qwen3", "q/k norms", "--format deepseek_v3") for m in ("mla+dex", "mla+titans")})
+OTHERS.update({(name, "gqa"): "lossy" for name in NAMES})
+OTHERS.update({("google--gemma-2-2b", "gqa"): ("gemma2",), ("Qwen--Qwen3-8B", "gqa"): ("qwen3", "to GQA")})
+EXTRA = {"diff": [], "titans": ["--window", "64"], "mla+dex": [], "mla+titans": ["--window", "64"],
+         "gqa": ["--kv-heads", "1"]}
+
+
+@pytest.mark.parametrize("name, method, expected",
+                         [pytest.param(n, m, OTHERS[n, m], id=f"{n}-{m}") for n, m in sorted(OTHERS)])
+def test_every_method(sources, calib, tmp_path, capsys, name, method, expected):
+    src, out = sources(name, kv_heads=2 if method == "gqa" else None), tmp_path / "out"
+    extra = (mla_full_size(src, name) if method.startswith("mla") else []) + EXTRA[method]
+    if expected not in ("exact", "lossy"):
+        refused_in_one_line(lambda: convert(method, src, out, calib, *extra), capsys, out, *expected)
+        return
+    assert convert(method, src, out, calib, *extra) == 0
+    report = json.loads((out / "attnkit_report.json").read_text())
+    if expected == "exact":
+        assert report["steps"][-1]["exact"] is True and logits_rel(src, out) < 1e-4
+        return
+    assert AutoConfig.from_pretrained(out).num_key_value_heads == 1
+    assert all(torch.isfinite(torch.tensor(s["logits_rel_err_max"])) for s in report["steps"])
+    assert logits_rel(src, out) < 1.0  # finite: the comparison itself fails on NaN or inf

@@ -188,6 +188,7 @@ def retrofit_after_mla(args: argparse.Namespace, method: RetrofitMethod,
 
     original = resolve_model(args.model)
     check_output_dir(args.out, args.force, (original,))
+    _check_mla_output_format(args, original, method.name)
     with scratch_dir(args.out) as scratch:
         mla_out = scratch / "mla"
         mla_args = copy.copy(args)
@@ -196,6 +197,20 @@ def retrofit_after_mla(args: argparse.Namespace, method: RetrofitMethod,
         convert_mla(mla_args)
         prior = json.loads((mla_out / "attnkit_report.json").read_text())
         return retrofit(args, method, source_path=mla_out, prior=prior, original_path=original)
+
+
+def _check_mla_output_format(args: argparse.Namespace, source: Path, method: str) -> None:
+    """Before any work: the MLA step of a QK-norm source (Qwen3, OLMo-2, ...) keeps its q/k norms in
+    attnkit's own format by default, and the retrofits take DeepSeek-V3 checkpoints, not that format."""
+    from attnkit.adapters.families import FAMILIES
+    from attnkit.converters.mla.settings import output_format
+
+    model_type = json.loads((Path(source) / "config.json").read_text()).get("model_type")
+    family = FAMILIES.get(model_type)
+    if family is not None and family.qk_norm is not None and output_format(args, family) == "attnkit":
+        raise AttnkitError(f"--to {args.to} cannot take {model_type} as it is: its MLA step keeps the q/k norms in "
+                           f"attnkit's own format, which {method.upper()} does not retrofit; add --format deepseek_v3 "
+                           "(folds the norms, lossy) or convert with --to mla")
 
 
 def _kv_bytes(config, model_class: type) -> int:
