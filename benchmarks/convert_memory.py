@@ -13,13 +13,16 @@ kept; 16 GB bf16, untied head), one tensor at a time.
 The source checkpoint (sharded bf16 safetensors, tied embeddings, llama3 RoPE scaling) is built
 tensor by tensor, never whole. The conversion runs in a child process that reports its own peak
 RSS (VmHWM, `attnkit.evaluation.peak`; getrusage of children would include this process's peak).
-The result (JSON) is printed and written beside --work.
+The result (JSON) is printed and written beside --work; `--results FILE` also merges each run into FILE
+(a run replaces the earlier one of the same source and method), which `benchmarks/plot_convert_memory.py`
+draws: wall time and peak RSS against the source's parameters.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -122,6 +125,9 @@ def main() -> None:
     ap.add_argument("--method", default="mla", help="comma-separated --to methods (default mla)")
     ap.add_argument("--defaults", action="store_true", help="convert with each method's own defaults, not METHOD_ARGS")
     ap.add_argument("--source", default=None, help="an existing checkpoint folder instead of the 1B shape")
+    ap.add_argument("--label", default=None, help="the source's name in --results (default: the shape, or the folder)")
+    ap.add_argument("--results", default=None, help="merge the runs into this JSON file (e.g. "
+                    "benchmarks/results/convert_memory.json)")
     args = ap.parse_args()
     work = Path(args.work)
     src, out = (Path(args.source) if args.source else work / "src"), work / "out"
@@ -129,6 +135,7 @@ def main() -> None:
     if not (src / "config.json").is_file():
         build_source(src, shape_config(args.shape, args.layers))
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    label = args.label or (src.name if args.source else f"llama-{args.shape}-shape")
     shutil.rmtree(out, ignore_errors=True)
     from attnkit.evaluation.peak import run_with_peak
 
@@ -146,6 +153,8 @@ def main() -> None:
         if code != 0:
             sys.exit(f"{method}: conversion failed: {err}")
         results.append({
+            "source": label,
+            "source_params": source_params(src),
             "method": method,
             "command": "attnkit " + " ".join(cmd),
             "source_bytes": size,
@@ -161,6 +170,25 @@ def main() -> None:
             shutil.rmtree(out, ignore_errors=True)
     result = results[0] if len(results) == 1 else {"runs": results}
     (work / "convert_memory.json").write_text(json.dumps(result, indent=2))
+    if args.results:  # the folders named as the docs write them
+        merge_results(Path(args.results), [{**r, "command": r["command"].replace(str(src), "SRC").replace(str(out), "OUT")}
+                                           for r in results])
+
+
+def source_params(folder: Path) -> int:
+    """Parameters of a checkpoint, from its safetensors headers (nothing loaded)."""
+    from attnkit.io.checkpoint import LazyCheckpoint
+
+    return sum(math.prod(shape) for shape in LazyCheckpoint(folder).shapes().values())
+
+
+def merge_results(path: Path, runs: list[dict]) -> None:
+    """Add `runs` to the results file; a run replaces the earlier one of the same source and method."""
+    old = json.loads(path.read_text())["runs"] if path.is_file() else []
+    new = {(r["source"], r["method"]) for r in runs}
+    kept = [r for r in old if (r["source"], r["method"]) not in new]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"runs": kept + runs}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
