@@ -47,7 +47,7 @@ from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, has_q_bi
 from attnkit.converters.stream import finish_layer, last_layer, stream_layers
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
-from attnkit.io.model_card import write_model_card
+from attnkit.card.build import write_model_card
 from attnkit.io.rowstore import RowStore
 from attnkit.io.stream_copy import merge_index, stream_tensors
 
