@@ -165,17 +165,18 @@ def _placement(models: list, options: dict[str, Any]) -> tuple[str, str]:
     """(dtype, device) of in-memory models, as bench names them: they are measured where they are, so
     dtype= and device= are refused for them, as are two models in different places."""
     from attnkit.evaluation.kv import short_dtype
+    from attnkit.evaluation.options import DTYPES
 
     if "dtype" in options or "device" in options:
         raise AttnkitError("an in-memory model is benchmarked in its own dtype and on its own device; "
                            "move it first (model.to(...)) instead of passing dtype= or device=")
-    places = {(short_dtype(next(m.parameters()).dtype), str(next(m.parameters()).device)) for m in models}
+    places = {(short_dtype(p.dtype), str(p.device)) for p in (next(m.parameters()) for m in models)}
     if len(places) > 1:
         raise AttnkitError(f"the in-memory models are in different dtypes or devices ({sorted(places)}); "
                            "bench measures both in one")
     dtype, device = places.pop()
-    if dtype not in ("bf16", "fp16", "fp32"):
-        raise AttnkitError(f"bench measures bf16, fp16 or fp32 models, not {dtype}; move the model first (model.to(...))")
+    if dtype not in DTYPES:
+        raise AttnkitError(f"bench measures {', '.join(DTYPES)} models, not {dtype}; move the model first (model.to(...))")
     return dtype, device
 
 

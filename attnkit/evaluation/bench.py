@@ -388,8 +388,9 @@ def _measure(args) -> dict:
     bw = copy_bandwidth(device, clock=CLOCKS[clock])
     result = {
         "schema": "attnkit.bench/v1", "attnkit_version": __version__, "clock": clock,
-        "settings": {k: (label_of(v) if k in ("model", "baseline") and v is not None else v)
-                     for k, v in vars(args).items() if k in ("model", "baseline") or not (k == "func" or callable(v))},
+        "settings": {**{k: v for k, v in vars(args).items() if k != "func" and not callable(v)},
+                     "model": label_of(args.model),  # an in-memory model (callable) by its name
+                     "baseline": None if args.baseline is None else label_of(args.baseline)},
         "machine": {"device": str(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "cpu_count": psutil.cpu_count(), "memory_bandwidth": bw},
         "models": {},
