@@ -10,7 +10,7 @@ import torch
 from attnkit.evaluation.peak import run_with_peak
 from attnkit.io.tensor_rows import embed_into, embed_rows
 from attnkit.io.checkpoint import LazyCheckpoint
-from attnkit.io.rowstore import RowStore
+from attnkit.converters.stream.rowstore import RowStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mla_fixtures import calib_folder, save_model  # noqa: E402

@@ -1,4 +1,4 @@
-"""The one streaming engine (`converters/stream.py`): the hook runs once per layer in order on that
+"""The one streaming engine (`converters/stream/engine.py`): the hook runs once per layer in order on that
 layer, each layer is freed before the next is read (memory stays at one layer), the MLP is read
 as asked, the bar says what the walk is, and `finish_layer` advances the streams exactly as the
 decoder layer does, post-norms included (OLMo-2)."""
@@ -15,7 +15,7 @@ from transformers import Olmo2Config, Olmo2ForCausalLM
 from attnkit.converters.measure import SourceAttention
 from attnkit.converters.mla.progress import ConversionProgress
 from attnkit.converters.mla.source import embedded, layer_norms, load_layer, open_source, source_pe, through
-from attnkit.converters.stream import finish_layer, last_layer, stream_layers
+from attnkit.converters.stream.engine import finish_layer, last_layer, stream_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mla_fixtures import COMMON, save_model, tokenizer  # noqa: E402

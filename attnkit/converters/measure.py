@@ -14,7 +14,7 @@ import torch
 
 from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
 from attnkit.converters.mla.source import ROW_BATCH, Source, final_hidden, final_softcap, head_chunks
-from attnkit.io.rowstore import RowStore
+from attnkit.converters.stream.rowstore import RowStore
 
 
 MMAP_THRESHOLD = 1 << 20  # bytes: larger blocks are mmapped, so freeing them returns them to the OS

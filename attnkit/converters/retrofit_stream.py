@@ -26,9 +26,9 @@ import torch
 from attnkit.converters.calibration import TOKENS_PER_BATCH, CalibrationStats, calibration_attention, rows_per_batch
 from attnkit.converters.measure import measure_streams
 from attnkit.converters.mla.source import Source, embedded, layer_window, lm_head_name, source_pe, through
-from attnkit.converters.stream import stream_layers
+from attnkit.converters.stream.engine import stream_layers
 from attnkit.io.checkpoint import ShardedWriter
-from attnkit.io.rowstore import RowStore
+from attnkit.converters.stream.rowstore import RowStore
 from attnkit.io.stream_copy import merge_index, stream_tensors
 
 # (attention module of one layer, after install; calibration stats) -> None: set the new weights

@@ -32,11 +32,11 @@ from attnkit.converters.mla.layer import AttnWeights
 from attnkit.converters.mla.metrics import ErrorStat
 from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, layer_norms, lm_head_name, moment,
                                            open_source, source_pe)
-from attnkit.converters.stream import finish_layer, last_layer, stream_layers
+from attnkit.converters.stream.engine import finish_layer, last_layer, stream_layers
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.card.build import write_model_card
-from attnkit.io.rowstore import RowStore
+from attnkit.converters.stream.rowstore import RowStore
 from attnkit.io.stream_copy import merge_index, stream_tensors
 
 SUPPORTED = ("llama", "mistral", "qwen2", "phi3")

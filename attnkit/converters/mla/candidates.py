@@ -29,10 +29,10 @@ from attnkit.converters.mla.settings import Settings, resolve_settings, rope_cap
 from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, final_hidden, head_chunks,
                                            layer_norms, layer_rope, layer_view, layer_window, moment, open_source,
                                            run_stage_layer, source_pe, source_scale, through, view_moment, window_mask)
-from attnkit.converters.stream import last_layer, stream_layers
+from attnkit.converters.stream.engine import last_layer, stream_layers
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
-from attnkit.io.rowstore import RowStore
+from attnkit.converters.stream.rowstore import RowStore
 from attnkit.io.tensor_rows import embed_rows
 
 

@@ -44,11 +44,11 @@ from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, has_q_bi
                                            layer_norms, layer_rope, layer_tensors, layer_type, layer_view, layer_window,
                                            lm_head_name, open_source, rope_tables, source_pe,
                                            source_scale, view_moment, window_mask)
-from attnkit.converters.stream import finish_layer, last_layer, stream_layers
+from attnkit.converters.stream.engine import finish_layer, last_layer, stream_layers
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.card.build import write_model_card
-from attnkit.io.rowstore import RowStore
+from attnkit.converters.stream.rowstore import RowStore
 from attnkit.io.stream_copy import merge_index, stream_tensors
 
 STAGES = ("exact", "rope", "balance", "low-rank", "native")

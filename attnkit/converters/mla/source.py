@@ -23,7 +23,7 @@ from attnkit.converters.shapes import check_weights
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint
 from attnkit.io.resolve import check_causal_lm, load_config, resolve_model
-from attnkit.io.rowstore import RowStore
+from attnkit.converters.stream.rowstore import RowStore
 from attnkit.io.tensor_rows import embed_into, read_rows, tensor_rows
 
 ROW_BATCH = 1  # rows of hidden states pushed through a layer at once

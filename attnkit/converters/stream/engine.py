@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from attnkit.converters.measure import SourceAttention, return_freed_memory
 from attnkit.converters.mla.progress import ConversionProgress
 from attnkit.converters.mla.source import ROW_BATCH, Source, load_layer, load_mlp
-from attnkit.io.rowstore import RowStore
+from attnkit.converters.stream.rowstore import RowStore
 
 T = TypeVar("T")
 Step = Callable[[int, torch.nn.Module], T]  # (layer index, the loaded decoder layer) -> what the walk collects
