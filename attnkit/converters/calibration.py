@@ -8,6 +8,14 @@ by autograd when the pass runs with a graph: ~2 GB per calibration batch on the 
 Here the attention itself is replaced, for the calibration pass only, by a function that computes
 softmax(QKᵀ)·V a block of query rows at a time and folds each block's entropy into running sums, so
 the peak is one [B, H, rows, S] block whatever T is, and nothing outlives its block.
+
+What a batch holds besides grows with its tokens and the attention's width: the query, key and value
+states of every head (and the projections around them). So a batch is sized in bytes of those states,
+not in tokens: at most TOKENS_PER_BATCH tokens and at most ATTENTION_BYTES of fp32 q, k and v
+(`rows_per_batch`). A source layer of Llama-3.2-1B's width (32 heads of 64) takes 1,365 tokens (two
+rows of 512), the DeepSeek-V3 layer of its MLA conversion (queries and keys of 64 + 64 rope dims,
+32 heads) 819 (one row). The batch's other activations are a few times its q, k, v (the projections
+and latents, RoPE copies, the attention output), so they shrink with it.
 """
 
 from __future__ import annotations
@@ -23,8 +31,9 @@ from attnkit.converters.diff.layer import head_rms
 from attnkit.errors import AttnkitError
 
 ATTENTION = "attnkit_calibration"
-TOKENS_PER_BATCH = 4096  # calibration tokens pushed through a layer at once
-BLOCK_BYTES = 16 * 2**20  # one block of fp32 scores [B, H, rows, S]; the entropy's fp64 temporaries are ~3x
+TOKENS_PER_BATCH = 4096  # calibration tokens pushed through a layer at once, at most
+ATTENTION_BYTES = 32 * 2**20  # fp32 q, k, v states of every head in one calibration batch, at most
+BLOCK_BYTES = 4 * 2**20  # one block of fp32 scores [B, H, rows, S]; the entropy's fp64 temporaries are 4x
 
 
 class EntropyStats:
@@ -54,13 +63,15 @@ class EntropyStats:
         out = query.new_empty(bsz, heads, t_len, value.shape[-1])
         for t0 in range(0, t_len, rows):
             t1 = min(t_len, t0 + rows)
-            scores = torch.matmul(query[:, :, t0:t1], key.transpose(-1, -2)) * scale  # [B, H, r, S]
+            # in place where eager attention makes a copy: the same operations, one block fewer alive
+            scores = torch.matmul(query[:, :, t0:t1], key.transpose(-1, -2)).mul_(scale)  # [B, H, r, S]
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
             if attention_mask is not None:
                 block = attention_mask[:, :, t0:t1, :s_len]  # [B, 1, r, S]
-                scores = scores.masked_fill(~block, float("-inf")) if block.dtype == torch.bool else scores + block
+                scores = scores.masked_fill_(~block, float("-inf")) if block.dtype == torch.bool else scores.add_(block)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            del scores
             self.add(module.layer_idx, probs, s_len - t_len + t0)
             out[:, :, t0:t1] = torch.matmul(probs, value)
         return out.transpose(1, 2).contiguous(), None  # [B, T, H, dv]
@@ -130,15 +141,31 @@ def calibrate(model, rows: torch.Tensor, device: torch.device, tokens_per_batch:
     (the conversions stream one layer at a time instead: `converters/retrofit_stream.py`)."""
     stats = CalibrationStats(model.config.num_hidden_layers, model.config.num_attention_heads)
     with calibration_attention(stats, model.config, attention_modules(model)):
-        for batch in tqdm(batches(rows, tokens_per_batch), desc="calibration", unit="batch", leave=False):
+        for batch in tqdm(batches(rows, tokens_per_batch, attention_token_bytes(model.config)), desc="calibration",
+                          unit="batch", leave=False):
             model(input_ids=batch.to(device), use_cache=False)
     return stats.result()
 
 
-def rows_per_batch(seq_len: int, tokens_per_batch: int = TOKENS_PER_BATCH) -> int:
-    return max(1, tokens_per_batch // seq_len)
+def attention_token_bytes(config) -> int:
+    """fp32 bytes per token of the query, key and value states of every head, as the calibration
+    attention function holds them (keys and values repeated to the query heads). The query/key head
+    width is DeepSeek-V3's `qk_head_dim` (no-rope + rope dims) where the config has one, else `head_dim`."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    qk = getattr(config, "qk_head_dim", None) or head_dim
+    v = getattr(config, "v_head_dim", None) or head_dim
+    return 4 * heads * (2 * int(qk) + int(v))
 
 
-def batches(rows: torch.Tensor, tokens_per_batch: int = TOKENS_PER_BATCH) -> list[torch.Tensor]:
-    """Split [N, T] rows into batches of about `tokens_per_batch` tokens."""
-    return list(rows.split(rows_per_batch(rows.shape[1], tokens_per_batch)))
+def rows_per_batch(seq_len: int, tokens_per_batch: int = TOKENS_PER_BATCH, token_bytes: int | None = None) -> int:
+    """Rows of `seq_len` tokens per calibration batch: at most `tokens_per_batch` tokens and, given the
+    attention's `token_bytes` (`attention_token_bytes`), at most ATTENTION_BYTES of its states; one row
+    at least."""
+    tokens = tokens_per_batch if token_bytes is None else min(tokens_per_batch, ATTENTION_BYTES // token_bytes)
+    return max(1, tokens // seq_len)
+
+
+def batches(rows: torch.Tensor, tokens_per_batch: int = TOKENS_PER_BATCH, token_bytes: int | None = None) -> list[torch.Tensor]:
+    """Split [N, T] rows into batches of `rows_per_batch` rows."""
+    return list(rows.split(rows_per_batch(rows.shape[1], tokens_per_batch, token_bytes)))

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from attnkit.converters.calibration import TOKENS_PER_BATCH, CalibrationStats, calibration_attention, rows_per_batch
+from attnkit.converters.calibration import (BLOCK_BYTES, TOKENS_PER_BATCH, CalibrationStats, attention_token_bytes,
+                                            calibration_attention, rows_per_batch)
 from attnkit.converters.measure import measure_streams
 from attnkit.converters.mla.source import Source, embedded, layer_window, lm_head_name, source_pe, through
 from attnkit.converters.stream.engine import stream_layers
@@ -65,20 +66,33 @@ def _layer_io(src: Source, module: torch.nn.Module, layer: int, length: int, dev
     return through(module, pe, causal_mask(length, window_of(src, module, layer), device, always=calibrating))
 
 
+def held_rows_per_batch(config, length: int, tokens_per_batch: int = TOKENS_PER_BATCH) -> int:
+    """Rows per batch of a held-out stream (SDPA): at most `tokens_per_batch` tokens, and at most one
+    block (calibration.BLOCK_BYTES) of fp32 attention weights [rows, H, T, T]. SDPA's CPU math path
+    materialises those whole; it is the path a DeepSeek-V3 layer takes (its value heads are narrower
+    than its query/key heads, which the fused kernel does not take): 4 rows of 512 tokens through 32
+    heads held 0.33 GB of them."""
+    per_row = 4 * int(config.num_attention_heads) * length * length
+    return max(1, min(rows_per_batch(length, tokens_per_batch), BLOCK_BYTES // per_row))
+
+
 @torch.no_grad()
 def calibration_pass(src: Source, calib: RowStore, held: RowStore, device,
                      tokens_per_batch: int = TOKENS_PER_BATCH) -> dict:
     """Pass 1: per layer and head, entropy and output RMS on `calib` (advanced through every layer);
-    `held` advanced through the source layers. Batches of rows as the whole-model pass took them,
-    so the statistics are those of a whole-model calibration, bit for bit."""
+    `held` advanced through the source layers. Batches of rows as the whole-model pass
+    (`calibration.calibrate`) takes them, sized by the attention's width (`rows_per_batch`), so the
+    statistics are those of a whole-model calibration, bit for bit. The held-out rows (SDPA, no
+    statistics) in batches of `held_rows_per_batch`."""
     length = calib.row_shape[0]
     stats = CalibrationStats(src.config["num_hidden_layers"], src.hf_config.num_attention_heads)
-    rows = rows_per_batch(length, tokens_per_batch)
+    rows = rows_per_batch(length, tokens_per_batch, attention_token_bytes(src.hf_config))
+    held_rows = held_rows_per_batch(src.hf_config, length, tokens_per_batch)
 
     def step(layer: int, module: torch.nn.Module) -> None:
         with calibration_attention(stats, src.hf_config, [module.self_attn]):
             calib.map_(_layer_io(src, module, layer, length, device, calibrating=True), rows, device)
-        held.map_(_layer_io(src, module, layer, length, device), rows, device)
+        held.map_(_layer_io(src, module, layer, length, device), held_rows, device)
 
     stream_layers(src, device, step, "calibration", by_rows=True, leave=False)
     return stats.result()
@@ -98,7 +112,7 @@ def rewrite_pass(src: Source, config, family_name: str, init_layer: InitLayerFn 
         if init_layer is not None:
             init_layer(module.self_attn, stats)
         module.to(device).eval()
-        held.map_(_layer_io(src, module, layer, length, device), rows_per_batch(length), device)
+        held.map_(_layer_io(src, module, layer, length, device), held_rows_per_batch(config, length), device)
         for name, tensor in module.state_dict().items():
             writer.add(f"{src.prefix}{layer}.{name}", tensor.to(out_dtype))
 
@@ -143,8 +157,9 @@ def streamed_ppl(src: Source, ids: torch.Tensor, scratch: Path, device) -> float
     """Perplexity of the model `src` on rows `ids` [N, T], a layer at a time (the user's model before
     `mla+…`, whose retrofit runs on the MLA conversion)."""
     store = embedded(src, ids, scratch / "ppl.f32")
+    rows = held_rows_per_batch(src.hf_config, ids.shape[1])
     stream_layers(src, device, lambda layer, module: store.map_(_layer_io(src, module, layer, ids.shape[1], device),
-                                                                rows_per_batch(ids.shape[1]), device), by_rows=True)
+                                                                rows, device), by_rows=True)
     return _measure(src, {"source": store}, (), ids, device)[0]
 
 
