@@ -13,7 +13,7 @@ import torch
 
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import LazyCheckpoint, weights_fingerprint
+from attnkit.io.checkpoint import weights_fingerprint
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -35,13 +35,6 @@ def source_info(path: Path, model_type: str | None, model: str | None = None) ->
     info = {"path": str(path), "model_type": model_type, "sha256_config": _sha256((path / "config.json").read_bytes()),
             "sha256_weights_index": weights_fingerprint(path)}
     return info if model is None else {**info, "model": model}
-
-
-def source_dtype(ckpt: LazyCheckpoint) -> torch.dtype:
-    """The dtype the source's weights are stored in (fp32 for anything but bf16/fp16)."""
-    first = next(n for n in ckpt.keys() if n.endswith("norm.weight") or n.endswith("proj.weight"))
-    dtype = ckpt.get(first).dtype
-    return dtype if dtype in DTYPE_NAMES else torch.float32
 
 
 @dataclass(kw_only=True)
@@ -87,10 +80,25 @@ def check_calib_source(source: str) -> None:
 
 
 def calibration_tokens(tokenizer, source: str, seq_len: int, n_calib: int, n_eval: int, seed: int):
-    """(calibration rows from the train split, held-out rows from the validation split, a note).
+    """(calibration rows from the train split, held-out rows from the validation split, a note)."""
+    text = calibration_text(tokenizer, source, seq_len, n_calib, n_eval, seed)
+    return text.calib, text.held_out, text.note
 
-    A source with no validation documents (one file) gives its last rows as the held-out set.
-    """
+
+@dataclass
+class CalibrationText:
+    calib: torch.Tensor  # [N, T] token rows of the train split
+    held_out: torch.Tensor  # [M, T] of the validation split (or the last rows of the text: `note` says)
+    note: str
+    spare: torch.Tensor  # [K, T] validation rows after the held-out ones (K <= what was asked; may be 0)
+
+
+def calibration_text(tokenizer, source: str, seq_len: int, n_calib: int, n_eval: int, seed: int,
+                     n_spare: int = 0) -> CalibrationText:
+    """Calibration rows, held-out rows and up to `n_spare` tokens of spare validation rows, the text read
+    once here (`--kv-budget` chooses its split on the spare rows, so the report's held-out rows stay an
+    unbiased check). A source with no validation documents (one file) gives its last rows as the held-out
+    set, and no spare rows."""
     check_calib_source(source)
     try:
         calib = pack_tokens(tokenizer, source, "train", seq_len, n_calib + n_eval, seed)
@@ -98,15 +106,16 @@ def calibration_tokens(tokenizer, source: str, seq_len: int, n_calib: int, n_eva
         raise AttnkitError(f"calibration source is empty or too short: {exc}") from None
     try:
         held_out = pack_tokens(tokenizer, source, "validation", seq_len, n_eval, seed)
-        note = "validation split"
-        calib = calib[: max(1, n_calib // seq_len)]
     except AttnkitError:
         if calib.shape[0] < 2:
             raise AttnkitError(
                 f"calibration source {source!r} gives one sequence of {seq_len} tokens; need two (calibration + held-out)"
             ) from None
         n_held = max(1, min(n_eval // seq_len, calib.shape[0] // 2))
-        calib, held_out = calib[:-n_held], calib[-n_held:]
-        calib = calib[: max(1, n_calib // seq_len)]
         note = "last rows of the calibration text (the source has no validation documents)"
-    return calib, held_out, note
+        return CalibrationText(calib[:-n_held][: max(1, n_calib // seq_len)], calib[-n_held:], note, calib[:0])
+    spare = held_out[:0]
+    if n_spare > 0:  # the packing is prefix-stable: a longer read starts with the same held-out rows
+        n_held = held_out.shape[0]
+        spare = pack_tokens(tokenizer, source, "validation", seq_len, n_held * seq_len + n_spare, seed)[n_held:]
+    return CalibrationText(calib[: max(1, n_calib // seq_len)], held_out, "validation split", spare)

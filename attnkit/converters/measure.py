@@ -130,9 +130,18 @@ def measure_streams(src: Source, streams: dict[str, RowStore], stages, held_out:
                     final_norm: torch.Tensor, head_name: str, dev: str) -> tuple[float, dict]:
     """The source's held-out perplexity and every stage's logits error / KL / perplexity against it,
     from the final hidden states of the streams (closed here: nothing reads them after)."""
-    finals = {k: final_hidden(src, store.all().to(dev), final_norm) for k, store in streams.items()}
+    hidden = {k: store.all() for k, store in streams.items()}
     for store in streams.values():
         store.close()
+    return final_metrics(src, hidden, stages, held_out, final_norm, head_name, dev)
+
+
+def final_metrics(src: Source, hidden: dict[str, torch.Tensor], stages, held_out: torch.Tensor,
+                  final_norm: torch.Tensor, head_name: str, dev: str) -> tuple[float, dict]:
+    """The same from final hidden states in memory ({"source": [N, T, D], stage: [N, T, D]}; each is
+    freed once normed): the final norm, the head (read in chunks, softcapped as the source does) and the
+    next-token targets of `held_out` [N, T]."""
+    finals = {k: final_hidden(src, hidden.pop(k).to(dev), final_norm) for k in list(hidden)}
     targets = held_out[:, 1:].reshape(-1).to(dev)
     return_freed_memory(trim=True)
     return logits_metrics(finals["source"], {k: finals[k] for k in stages}, targets,

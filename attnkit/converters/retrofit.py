@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from attnkit import __version__
-from attnkit.converters.common import DTYPES, calibration_tokens, check_device, source_dtype, source_info
+from attnkit.converters.common import DTYPES, calibration_tokens, check_device, source_info
 from attnkit.converters.measure import return_freed_memory
 from attnkit.converters.mla.source import Source, open_source
 from attnkit.converters.retrofit_stream import (InitLayerFn, calibration_pass, held_out_metrics, open_streams,
                                                 per_layer_measure, retrofit_config, rewrite_pass, streamed_ppl,
-                                                write_config, write_outside_layers)
+                                                write_config)
+from attnkit.converters.stream.outside import write_outside_layers
 from attnkit.errors import AttnkitError
 from attnkit.evaluation.ppl import held_out
 from attnkit.evaluation.kv import kv_as_stored, kv_cache_bytes_per_token, kv_change, short_dtype
@@ -81,7 +82,7 @@ def retrofit(args: argparse.Namespace, method: RetrofitMethod, source_path: Path
     calib, evaluation, held_note = calibration_tokens(tokenizer, args.calib, args.calib_seq_len, args.calib_tokens,
                                                       held_rows * args.calib_seq_len, args.seed)
     evaluation = evaluation[:held_rows]
-    out_dtype = DTYPES[args.dtype] if args.dtype else source_dtype(src.ckpt)
+    out_dtype = DTYPES[args.dtype] if args.dtype else src.dtype
     config_class, model_class = CLASSES[model_type]
     with atomic_output_dir(args.out, args.force, (path,)) as tmp:
         scratch = tmp / ".scratch"

@@ -17,7 +17,6 @@ modeling code and the generation config are written as `save_pretrained` would.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from attnkit.converters.mla.source import Source, embedded, layer_window, lm_hea
 from attnkit.converters.stream.engine import stream_layers
 from attnkit.io.checkpoint import ShardedWriter
 from attnkit.converters.stream.rowstore import RowStore
-from attnkit.io.stream_copy import merge_index, stream_tensors
 
 # (attention module of one layer, after install; calibration stats) -> None: set the new weights
 InitLayerFn = Callable[[torch.nn.Module, dict], None]
@@ -117,27 +115,6 @@ def rewrite_pass(src: Source, config, family_name: str, init_layer: InitLayerFn 
             writer.add(f"{src.prefix}{layer}.{name}", tensor.to(out_dtype))
 
     stream_layers(src, device, step, "rewrite", by_rows=True, leave=False)
-
-
-STREAM_COPY_BYTES = 256 * 2**20  # an embedding or head above this is copied a block of rows at a time
-
-
-def write_outside_layers(src: Source, folder: Path, writer: ShardedWriter, out_dtype: torch.dtype) -> None:
-    """The tensors around the layers (final norm, embedding, untied head); closes `writer`. A large
-    embedding or head is copied a block of rows at a time into a file of its own; a small model's
-    stay in the writer, which then leaves one `model.safetensors` as `save_pretrained` does."""
-    names = [src.family.final_norm + ".weight", src.family.embed + ".weight"]
-    if lm_head_name(src) not in names:  # an untied head of its own
-        names.append(lm_head_name(src))
-    sizes = {n: math.prod(src.ckpt.shapes()[n]) * out_dtype.itemsize for n in names}
-    big = [(n, n, 1.0) for n in names if sizes[n] > STREAM_COPY_BYTES]
-    for n in names:
-        if sizes[n] <= STREAM_COPY_BYTES:
-            writer.add(n, src.ckpt.get(n, dtype=torch.float32).to(out_dtype))
-    writer.close()
-    if big:
-        file = "model-embeddings.safetensors"
-        merge_index(folder, file, stream_tensors(src.ckpt, big, folder / file, out_dtype))
 
 
 def held_out_metrics(src: Source, before: RowStore, after: RowStore, held_ids: torch.Tensor, device) -> dict:

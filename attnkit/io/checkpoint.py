@@ -85,6 +85,13 @@ class LazyCheckpoint:
             raise AttnkitError(f"tensor {missing[0]!r} is listed in the index of {self.folder} but not in its shard")
         return {name: merged[name] for name in self.weight_map}
 
+    def storage_dtype(self, name: str | None = None) -> torch.dtype:
+        """The dtype the weights (or the tensor `name`) are stored in, bf16 / fp16, else fp32 (what a
+        16-bit-aware computation rounds to); from the shard's header, no tensor data is read."""
+        name = name or next(n for n in self.keys() if n.endswith("norm.weight") or n.endswith("proj.weight"))
+        stored = FLOAT_DTYPES.get(read_header(self.folder / self.weight_map[name])[name]["dtype"])
+        return stored if stored in (torch.bfloat16, torch.float16) else torch.float32
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """name -> shape, from the headers only."""
         return {name: tuple(h["shape"]) for name, h in self.header().items()}

@@ -18,25 +18,27 @@ def tensor_rows(ckpt, name: str) -> int:
         return handle.get_slice(name).get_shape()[0]
 
 
-def _embedding_chunks(ckpt, name: str, flat: torch.Tensor, chunk: int):
-    """(flat positions, their fp32 embedding vectors) per chunk of table rows that `flat` uses."""
+def _embedding_chunks(ckpt, name: str, flat: torch.Tensor, chunk: int, scale: float | None = None):
+    """(flat positions, their fp32 embedding vectors, times `scale` if given) per chunk of table rows that
+    `flat` uses."""
     path = ckpt.folder / ckpt.weight_map[name]
     for lo in range(0, tensor_rows(ckpt, name), chunk):
         where = torch.nonzero((flat >= lo) & (flat < lo + chunk)).flatten()
         if where.numel():
-            yield where, read_rows(path, name, lo, lo + chunk).float()[flat[where] - lo]
+            vectors = read_rows(path, name, lo, lo + chunk).float()[flat[where] - lo]
+            yield where, vectors if scale is None else vectors * scale
 
 
-def embed_into(store, ckpt, name: str, ids: torch.Tensor, chunk: int = 4096) -> None:
+def embed_into(store, ckpt, name: str, ids: torch.Tensor, chunk: int = 4096, scale: float | None = None) -> None:
     """Embedding lookup of ids [rows, T] written token by token into a RowStore [rows, T, D]."""
-    for where, vectors in _embedding_chunks(ckpt, name, ids.reshape(-1), chunk):
+    for where, vectors in _embedding_chunks(ckpt, name, ids.reshape(-1), chunk, scale):
         store.write_tokens(where, vectors)
 
 
-def embed_rows(ckpt, name: str, ids: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def embed_rows(ckpt, name: str, ids: torch.Tensor, chunk: int = 4096, scale: float | None = None) -> torch.Tensor:
     """Embedding lookup [*ids.shape, D] (fp32)."""
     out = None
-    for where, vectors in _embedding_chunks(ckpt, name, ids.reshape(-1), chunk):
+    for where, vectors in _embedding_chunks(ckpt, name, ids.reshape(-1), chunk, scale):
         if out is None:
             out = torch.zeros(ids.numel(), vectors.shape[1])
         out[where] = vectors

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from attnkit.adapters.families import FAMILIES, Family
-from attnkit.converters.common import (StreamSettings, calibration_tokens, check_device, source_dtype,
+from attnkit.converters.common import (StreamSettings, calibration_tokens, check_device,
                                        stream_fields)
 from attnkit.converters.gqa import math as gm
 from attnkit.converters.gqa.report import build_report, format_report
@@ -37,7 +37,7 @@ from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.card.build import write_model_card
 from attnkit.converters.stream.rowstore import RowStore
-from attnkit.io.stream_copy import merge_index, stream_tensors
+from attnkit.converters.stream.outside import write_outside_layers
 
 SUPPORTED = ("llama", "mistral", "qwen2", "phi3")
 STAGES = {"aligned": ("align", "merge", "refit"), "mean": ("merge",)}
@@ -72,7 +72,7 @@ def resolve_settings(args: argparse.Namespace, src: Source) -> Settings:
         raise AttnkitError(f"--kv-heads {n} does not divide the source's {G} KV heads into equal groups")
     if src.shape.d % 2:
         raise AttnkitError(f"head_dim {src.shape.d} is odd: rotate-half RoPE needs an even head dim")
-    run = stream_fields(args, source_dtype(src.ckpt))
+    run = stream_fields(args, src.dtype)
     cfg = src.config
     window = cfg.get("sliding_window")
     if window and cfg.get("use_sliding_window", True) and window < args.calib_seq_len:
@@ -165,14 +165,8 @@ def execute(src: Source, s: Settings, calib: torch.Tensor, held_out: torch.Tenso
                               f"{src.path.name}: convert --to gqa", mlp="deferred")
     h_cal.close()
     layer_names = {n for n in src.ckpt.keys() if n.startswith(src.prefix)}
-    rest = [n for n in src.ckpt.keys() if n not in layer_names]
-    big = [n for n in rest if len(src.ckpt.header()[n]["shape"]) == 2]
-    for name in rest:
-        if name not in big:
-            writer.add(name, src.ckpt.get(name).to(s.out_dtype))
-    writer.close()
-    merge_index(tmp, "model-embeddings.safetensors",
-                stream_tensors(src.ckpt, [(n, n, 1.0) for n in big], tmp / "model-embeddings.safetensors", s.out_dtype))
+    write_outside_layers(src, tmp, writer, s.out_dtype, {n: n for n in src.ckpt.keys() if n not in layer_names},
+                         stream_above=0)
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
     src_ppl, metrics = measure_streams(src, streams, stages, held_out, final_norm, lm_head_name(src), dev)
     return build_report(src, s, metrics, attn_err, src_ppl, per_layer)

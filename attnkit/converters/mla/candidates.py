@@ -19,21 +19,20 @@ import torch
 from attnkit.converters.common import calibration_tokens
 from attnkit.converters.mla import layer as mla
 from attnkit.converters.mla.budget import budget_values, max_rank, refine_candidates, split_candidates
-from attnkit.converters.mla.metrics import ErrorStat, logits_metrics, relative_errors
+from attnkit.converters.mla.metrics import ErrorStat, relative_errors
 from attnkit.converters.mla.engines import VLLM_CPU_MLA_SIZE, VLLM_MLA_SIZES, VLLM_ROPE_DIM, ladder_stride, vllm_splits
 from attnkit.converters.mla.native import target_for
 from attnkit.converters.mla.progress import ConversionProgress, pre_pass_rows
 from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, layer_damping, refit_params, rope_damping
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings, rope_cap
-from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, final_hidden, head_chunks,
+from attnkit.converters.measure import final_metrics
+from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embed, embedded, lm_head_name,
                                            layer_norms, layer_rope, layer_view, layer_window, moment, open_source,
                                            run_stage_layer, source_pe, source_scale, through, view_moment, window_mask)
 from attnkit.converters.stream.engine import last_layer, stream_layers
-from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.converters.stream.rowstore import RowStore
-from attnkit.io.tensor_rows import embed_rows
 
 
 @dataclass
@@ -102,7 +101,7 @@ def prepare(argv: list[str]) -> tuple[Source, Settings, torch.Tensor, torch.Tens
 
     args = build_parser().parse_args(["convert", "--to", "mla", *argv])
     src = open_source(args.model)
-    s = resolve_settings(args, src.shape, src.ckpt)
+    s = resolve_settings(args, src.shape, src.dtype)
     calib, held_out, _ = calibration_tokens(AutoTokenizer.from_pretrained(src.path), s.calib, s.seq_len, s.calib_tokens,
                                             s.eval_tokens, s.seed)
     return src, s, calib, held_out
@@ -126,7 +125,7 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     for c in candidates:
         counts, stride = rope_slots(scores, s.rope_frequencies, src.shape.d, c.rope_dim)
         targets[c.name] = (counts, stride, target_for(src, s, c.rope_dim, counts, max(c.ranks), stride))
-    h0 = embed_rows(src.ckpt, fam.embed + ".weight", rows).to(dev)
+    h0 = embed(src, rows).to(dev)  # Gemma's embedding scale included, as in the calibration stream
     streams = {"source": h0, **{c.name: h0.clone() for c in candidates}}
     attn_err = {c.name: ErrorStat() for c in candidates}
     with _scratch_dir(scratch) as tmp:
@@ -135,12 +134,7 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
                                                                       targets, attn_err, positions, src_pe, cal_pe), desc)
         h_cal.close()
     final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
-    finals = {k: final_hidden(src, h, final_norm) for k, h in streams.items()}
-    tied = bool(src.config.get("tie_word_embeddings", False))
-    embed_name = fam.embed + ".weight"
-    head_name = embed_name if tied or fam.lm_head + ".weight" not in src.ckpt else fam.lm_head + ".weight"
-    src_ppl, results = logits_metrics(finals.pop("source"), finals, rows[:, 1:].reshape(-1).to(dev),
-                                      lambda: head_chunks(src.ckpt, head_name, dev))
+    src_ppl, results = final_metrics(src, streams, [c.name for c in candidates], rows, final_norm, lm_head_name(src), dev)
     for c in candidates:
         results[c.name].update(attn_rel_err_mean=attn_err[c.name].mean, rope_dim=c.rope_dim, ranks=c.ranks,
                                refit=c.refit)
@@ -212,20 +206,21 @@ def _spectrum_layer(src, s, module: torch.nn.Module, h_cal: RowStore, rope_dim: 
     return spectrum
 
 
-def selection_rows(tokenizer, s, calib: torch.Tensor, n_held: int) -> tuple[torch.Tensor, str]:
-    """Rows to choose on: validation text after the report's held-out rows (so the report stays an
+def selection_tokens(s) -> int:
+    """How many tokens `--kv-budget` chooses on (`calibration_text`'s spare rows): at least two rows."""
+    return max(2, s.eval_tokens // s.seq_len) * s.seq_len
+
+
+def selection_rows(s, calib: torch.Tensor, spare: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Rows to choose on: validation text after the report's held-out rows (`spare`, so the report stays an
     unbiased check), else calibration rows (a small model may have memorised its training text)."""
-    n_sel = max(2, s.eval_tokens // s.seq_len)
-    try:
-        more = pack_tokens(tokenizer, s.calib, "validation", s.seq_len, (n_held + n_sel) * s.seq_len, s.seed)
-    except AttnkitError:
-        more = calib[:0]
-    if more.shape[0] > n_held:
-        return more[n_held:], f"{more.shape[0] - n_held} validation rows after the report's held-out rows"
+    if spare.shape[0] > 0:
+        return spare, f"{spare.shape[0]} validation rows after the report's held-out rows"
+    n_sel = selection_tokens(s) // s.seq_len
     return calib[: min(calib.shape[0], n_sel)], f"{min(calib.shape[0], n_sel)} calibration rows (no spare validation text)"
 
 
-def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int,
+def choose_split(src, s, calib: torch.Tensor, spare: torch.Tensor,
                  scratch: Path | None = None) -> tuple[dict, list[torch.Tensor]]:
     """--kv-budget: the uniform (kv_lora_rank, rope_dim) split with the lowest KL(source || converted)
     on selection rows (`selection_rows`), among an even grid of rope_dim and a refinement around the
@@ -245,7 +240,7 @@ def choose_split(src, s, calib: torch.Tensor, tokenizer, n_held: int,
         splits = split_candidates(shape, total, cap, norm_channel=s.norm_channel)
     if not splits:
         raise AttnkitError(f"--kv-budget {s.kv_budget} is too small for this model ({total} values per token and layer)")
-    rows, rows_note = selection_rows(tokenizer, s, calib, n_held)
+    rows, rows_note = selection_rows(s, calib, spare)
     scores = rope_score_pass(src, s, calib, scratch)
     table = {}
     for round_ in range(2):

@@ -23,10 +23,10 @@ import torch
 from transformers import AutoTokenizer
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
-from attnkit.converters.common import calibration_tokens, check_device
+from attnkit.converters.common import calibration_text, check_device
 from attnkit.converters.measure import SourceAttention, heap_reuse, measure_stage, measure_streams, return_freed_memory
 from attnkit.converters.mla import layer as mla
-from attnkit.converters.mla.candidates import choose_split, rope_score_pass, rope_slots
+from attnkit.converters.mla.candidates import choose_split, rope_score_pass, rope_slots, selection_tokens
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
 from attnkit.converters.mla.metrics import ErrorStat
 from attnkit.converters.mla.engines import (ANCHOR_RATIOS, MIX_CHANNELS, KvbRefit, anchor_row, engine_attention_tensors,
@@ -49,7 +49,7 @@ from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
 from attnkit.card.build import write_model_card
 from attnkit.converters.stream.rowstore import RowStore
-from attnkit.io.stream_copy import merge_index, stream_tensors
+from attnkit.converters.stream.outside import write_outside_layers
 
 STAGES = ("exact", "rope", "balance", "low-rank", "native")
 REFIT_STAGES = ("exact", "rope", "balance", "low-rank", "refit", "native")  # with --refit-query
@@ -79,7 +79,7 @@ def convert(args: argparse.Namespace) -> int:
     return_freed_memory()
     src = open_source(args.model)
     check_output_dir(args.out, args.force, (src.path,))
-    s = resolve_settings(args, src.shape, src.ckpt, src.family)
+    s = resolve_settings(args, src.shape, src.dtype, src.family)
     check_device(s.device)
     if note := format_note(src.family, s.format):
         print(note)
@@ -120,10 +120,12 @@ def plan(src: Source, s: Settings, scratch: Path) -> Plan:
         tokenizer = AutoTokenizer.from_pretrained(src.path)
     except Exception as exc:
         raise AttnkitError(f"cannot load the tokenizer of {src.path}: {str(exc).splitlines()[0]}") from None
-    calib, held_out, held_note = calibration_tokens(tokenizer, s.calib, s.seq_len, s.calib_tokens, s.eval_tokens, s.seed)
+    spare = selection_tokens(s) if s.kv_budget is not None else 0
+    text = calibration_text(tokenizer, s.calib, s.seq_len, s.calib_tokens, s.eval_tokens, s.seed, n_spare=spare)
+    calib, held_out, held_note = text.calib, text.held_out, text.note
     scores, budget = None, None
     if s.kv_budget is not None:  # measured choice of (kv_lora_rank, rope_dim); sets them in s
-        budget, scores = choose_split(src, s, calib, tokenizer, held_out.shape[0], scratch)
+        budget, scores = choose_split(src, s, calib, text.spare, scratch)
     return_freed_memory(trim=True)
     pre_pass = scores is None and s.rope_frequencies != "geometric"
     progress = ConversionProgress(src.path.name, src.config["num_hidden_layers"], calib.shape[0], pre_pass)
@@ -209,16 +211,12 @@ def execute(p: Plan, tmp: Path, scratch: Path) -> dict:
                               progress=p.progress, mlp="deferred")
     p.progress.close()
     h_cal.close()
-    embed_name = fam.embed + ".weight"
-    final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
-    t.writer.add("model.norm.weight", final_norm.to(s.out_dtype))
-    tied = bool(src.config.get("tie_word_embeddings", False))
     head_name = lm_head_name(src)
-    t.writer.close()
-    big = [("model.embed_tokens.weight", embed_name, 1.0)]
-    if not tied or t.engine:  # the engine export writes its head (vLLM does not tie DeepSeek's)
-        big.append(("lm_head.weight", head_name, 1.0))
-    merge_index(tmp, "model-embeddings.safetensors", stream_tensors(src.ckpt, big, tmp / "model-embeddings.safetensors", s.out_dtype))
+    outside = {"model.norm.weight": fam.final_norm + ".weight", "model.embed_tokens.weight": fam.embed + ".weight"}
+    if not src.config.get("tie_word_embeddings", False) or t.engine:  # the engine export writes its head (vLLM does not tie DeepSeek's)
+        outside["lm_head.weight"] = head_name
+    write_outside_layers(src, tmp, t.writer, s.out_dtype, outside, stream_above=0)
+    final_norm = src.ckpt.get(fam.final_norm + ".weight", dtype=torch.float32, device=dev)
     tgt_cfg.to_json_file(str(tmp / "config.json"))
     src_ppl, metrics = measure_streams(src, streams, stages, p.held_out, final_norm, head_name, dev)
     report = build_report(src, s, tgt_cfg, metrics, attn_err, src_ppl, per_layer)

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from attnkit.converters.common import StreamSettings, source_dtype, stream_fields
+from attnkit.converters.common import StreamSettings, stream_fields
 from attnkit.converters.mla.budget import budget_values, max_rank
 from attnkit.converters.mla.layer import Shape
 from attnkit.errors import AttnkitError
@@ -52,7 +52,7 @@ def rope_cap(shape: Shape, frequencies: str) -> int:
     return shape.G * shape.d if frequencies == "exact" else shape.d
 
 
-def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, family=None) -> Settings:
+def resolve_settings(args: argparse.Namespace, shape: Shape, src_dtype: torch.dtype, family=None) -> Settings:
     if shape.d % 2:
         raise AttnkitError(f"head_dim {shape.d} is odd: rotate-half RoPE needs an even head dim")
     fmt = output_format(args, family)
@@ -99,7 +99,6 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, ckpt, family=None) 
     if v_head_dim < shape.d:
         raise AttnkitError(f"--v-head-dim must be >= head_dim {shape.d} (values are zero-padded, never cut), got {v_head_dim}")
     refit = getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off"
-    src_dtype = source_dtype(ckpt)
     return Settings(
         kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=frequencies,
         objective=getattr(args, "objective", None) or "attention", **stream_fields(args, src_dtype),
