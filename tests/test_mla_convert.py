@@ -120,6 +120,7 @@ def test_refusals_empty_calib_nonempty_out_disk_and_interrupt(tmp_path, calib, l
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10, 10, 0))
     assert _convert(src, tmp_path / "o", calib) == 2 and "not enough disk" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.attnkit-*"))  # refused inside the claim: nothing left
     monkeypatch.undo()
     import attnkit.converters.mla.convert as pipe
 

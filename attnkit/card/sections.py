@@ -66,7 +66,7 @@ def _steps_part(steps: list) -> list[str]:
     """The measured error of each step of the conversion, with what each step does by itself."""
     if not steps:
         return []
-    from attnkit.io.steps import ALONE, step_alone
+    from attnkit.evaluation.steps import ALONE, step_alone
 
     cols = ["attn_rel_err_mean", "attn_rel_err_max", "logits_rel_err_mean", "logits_rel_err_max", "kl", "ppl"]
     steps = [s for s in steps if isinstance(s, dict)]

@@ -104,18 +104,18 @@ def calibration_text(tokenizer, source: str, seq_len: int, n_calib: int, n_eval:
         calib = pack_tokens(tokenizer, source, "train", seq_len, n_calib + n_eval, seed)
     except AttnkitError as exc:
         raise AttnkitError(f"calibration source is empty or too short: {exc}") from None
-    try:
-        held_out = pack_tokens(tokenizer, source, "validation", seq_len, n_eval, seed)
+    n_held = n_eval // seq_len
+    try:  # one read of the validation split: the held-out rows, then the spare rows after them
+        validation = pack_tokens(tokenizer, source, "validation", seq_len, n_eval + n_spare, seed)
     except AttnkitError:
+        validation = calib[:0]
+    held_out, spare = validation[:n_held], validation[n_held : n_held + n_spare // seq_len]
+    if held_out.shape[0] == 0:
         if calib.shape[0] < 2:
             raise AttnkitError(
                 f"calibration source {source!r} gives one sequence of {seq_len} tokens; need two (calibration + held-out)"
             ) from None
-        n_held = max(1, min(n_eval // seq_len, calib.shape[0] // 2))
+        n_held = max(1, min(n_held, calib.shape[0] // 2))
         note = "last rows of the calibration text (the source has no validation documents)"
         return CalibrationText(calib[:-n_held][: max(1, n_calib // seq_len)], calib[-n_held:], note, calib[:0])
-    spare = held_out[:0]
-    if n_spare > 0:  # the packing is prefix-stable: a longer read starts with the same held-out rows
-        n_held = held_out.shape[0]
-        spare = pack_tokens(tokenizer, source, "validation", seq_len, n_held * seq_len + n_spare, seed)[n_held:]
     return CalibrationText(calib[: max(1, n_calib // seq_len)], held_out, "validation split", spare)

@@ -33,13 +33,3 @@ def embed_into(store, ckpt, name: str, ids: torch.Tensor, chunk: int = 4096, sca
     """Embedding lookup of ids [rows, T] written token by token into a RowStore [rows, T, D]."""
     for where, vectors in _embedding_chunks(ckpt, name, ids.reshape(-1), chunk, scale):
         store.write_tokens(where, vectors)
-
-
-def embed_rows(ckpt, name: str, ids: torch.Tensor, chunk: int = 4096, scale: float | None = None) -> torch.Tensor:
-    """Embedding lookup [*ids.shape, D] (fp32)."""
-    out = None
-    for where, vectors in _embedding_chunks(ckpt, name, ids.reshape(-1), chunk, scale):
-        if out is None:
-            out = torch.zeros(ids.numel(), vectors.shape[1])
-        out[where] = vectors
-    return out.view(*ids.shape, -1)

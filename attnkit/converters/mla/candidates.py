@@ -27,7 +27,7 @@ from attnkit.converters.mla.refit import REFIT_ROWS, distance_weights, layer_dam
 from attnkit.converters.mla.rope import source_rope
 from attnkit.converters.mla.settings import Settings, resolve_settings, rope_cap
 from attnkit.converters.measure import final_metrics
-from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embed, embedded, lm_head_name,
+from attnkit.converters.mla.source import (ROW_BATCH, Source, cpu_weights, embedded, lm_head_name,
                                            layer_norms, layer_rope, layer_view, layer_window, moment, open_source,
                                            run_stage_layer, source_pe, source_scale, through, view_moment, window_mask)
 from attnkit.converters.stream.engine import last_layer, stream_layers
@@ -125,10 +125,12 @@ def evaluate(src, s, calib: torch.Tensor, rows: torch.Tensor, candidates: list[C
     for c in candidates:
         counts, stride = rope_slots(scores, s.rope_frequencies, src.shape.d, c.rope_dim)
         targets[c.name] = (counts, stride, target_for(src, s, c.rope_dim, counts, max(c.ranks), stride))
-    h0 = embed(src, rows).to(dev)  # Gemma's embedding scale included, as in the calibration stream
-    streams = {"source": h0, **{c.name: h0.clone() for c in candidates}}
     attn_err = {c.name: ErrorStat() for c in candidates}
     with _scratch_dir(scratch) as tmp:
+        rows_in = embedded(src, rows, tmp / "rows.f32")  # the candidates' rows: a few, held in memory from here
+        h0 = rows_in.all().to(dev)  # [N, seq_len, D]
+        rows_in.close()
+        streams = {"source": h0, **{c.name: h0.clone() for c in candidates}}
         h_cal = embedded(src, calib, tmp / "calib.f32")
         stream_layers(src, dev, lambda layer, module: _evaluate_layer(src, s, layer, module, h_cal, streams, candidates,
                                                                       targets, attn_err, positions, src_pe, cal_pe), desc)

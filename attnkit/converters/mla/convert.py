@@ -46,7 +46,7 @@ from attnkit.converters.mla.source import (ROW_BATCH, Source, embedded, has_q_bi
                                            source_scale, view_moment, window_mask)
 from attnkit.converters.stream.engine import finish_layer, last_layer, stream_layers
 from attnkit.errors import AttnkitError
-from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir, check_output_dir
+from attnkit.io.checkpoint import LazyCheckpoint, ShardedWriter, atomic_output_dir
 from attnkit.card.build import write_model_card
 from attnkit.converters.stream.rowstore import RowStore
 from attnkit.converters.stream.outside import write_outside_layers
@@ -78,13 +78,12 @@ def convert(args: argparse.Namespace) -> int:
     started = time.time()
     return_freed_memory()
     src = open_source(args.model)
-    check_output_dir(args.out, args.force, (src.path,))
-    s = resolve_settings(args, src.shape, src.dtype, src.family)
-    check_device(s.device)
-    if note := format_note(src.family, s.format):
-        print(note)
-    _check_disk(src.ckpt, s, Path(args.out))
-    with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:
+    with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:  # OUT is claimed; a refusal below leaves nothing
+        s = resolve_settings(args, src.shape, src.dtype, src.family)
+        check_device(s.device)
+        if note := format_note(src.family, s.format):
+            print(note)
+        _check_disk(src.nbytes, s, tmp)
         scratch = tmp / ".scratch"
         scratch.mkdir()
         try:
@@ -150,12 +149,10 @@ def _write_legacy_fields(folder: Path) -> str:
     return min_transformers(config)
 
 
-def _check_disk(ckpt: LazyCheckpoint, s: Settings, out: Path) -> None:
-    src_bytes = ckpt.total_bytes()
+def _check_disk(src_bytes: int, s: Settings, tmp: Path) -> None:
+    """Refuse before any work when the output (about the source's size, in the output dtype) would not fit."""
     estimate = int(src_bytes * s.out_dtype.itemsize / max(1, s.src_itemsize) * 1.1) + (1 << 20)
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
+    parent = tmp.parent
     free = shutil.disk_usage(parent).free
     if free < estimate:
         raise AttnkitError(f"not enough disk space in {parent}: need about {estimate / 1e9:.2f} GB, {free / 1e9:.2f} GB free")

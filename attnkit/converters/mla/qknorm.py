@@ -47,16 +47,18 @@ class LayerView:
         return lambda x: attend(self.attn_input(x))
 
 
+def lifted_input(attn: torch.nn.Module, shape: Shape, qk_norm: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x [B, T, D] -> y = [q̂; k̂; v] [B, T, (H + 2G) d], as the shipped code computes it: the exact view's
+    input, and what the folded view's constants are fitted to."""
+    return lambda x: torch.cat(normed_qkv(attn, qk_norm, x, shape.H, shape.G, shape.d), dim=-1)
+
+
 def lifted_view(attn: torch.nn.Module, aw: AttnWeights, shape: Shape, qk_norm: str) -> LayerView:
     """The exact view: input y = [q̂; k̂; v], weights = selections (module docstring)."""
     H, G, d = shape.H, shape.G, shape.d
     eye = torch.eye((H + 2 * G) * d)  # [D', D'] rows: q̂ (H d), k̂ (G d), v (G d)
     lifted = AttnWeights(eye[: H * d], eye[H * d : (H + G) * d], eye[(H + G) * d :], aw.wo, bo=aw.bo)
-
-    def attn_input(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat(normed_qkv(attn, qk_norm, x, H, G, d), dim=-1)
-
-    return LayerView(attn_input, lifted, Shape((H + 2 * G) * d, H, G, d), {})
+    return LayerView(lifted_input(attn, shape, qk_norm), lifted, Shape((H + 2 * G) * d, H, G, d), {})
 
 
 def norm_weight(norm: torch.nn.Module, width: int) -> torch.Tensor:
@@ -95,7 +97,8 @@ def folded_view(attn: torch.nn.Module, aw: AttnWeights, shape: Shape, qk_norm: s
     w_q = norm_weight(attn.q_norm, width_q).repeat(H * d // width_q)  # [H d]
     w_k = norm_weight(attn.k_norm, width_k).repeat(G * d // width_k)  # [G d]
     with torch.no_grad():
-        q_hat, k_hat, _ = normed_qkv(attn, qk_norm, x, H, G, d)
+        y = lifted_input(attn, shape, qk_norm)(x)  # [B, T, (H + 2G) d]
+        q_hat, k_hat = y[..., : H * d], y[..., H * d : (H + G) * d]
         q_lin, k_lin = attn.q_proj(x) * w_q.to(x.device), attn.k_proj(x) * w_k.to(x.device)
     cos, sin = (t[0, : x.shape[1]].cpu() for t in pe)
     heads = lambda t, n: t.detach().cpu().unflatten(-1, (n, d))  # noqa: E731  [B, T, n, d]

@@ -10,7 +10,7 @@ from attnkit.converters.params import format_params
 from attnkit.converters.mla.engines import engine_support
 from attnkit.evaluation.kv import kv_change, short_dtype
 from attnkit.evaluation.ppl import HELD_OUT, held_out
-from attnkit.io.steps import ALONE, step_alone
+from attnkit.evaluation.steps import ALONE, step_alone
 
 STEP_INFO = {
     "exact": "GQA as MLA: latent = raw K and V of all heads, RoPE on every key component",

@@ -24,7 +24,7 @@ from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint
 from attnkit.io.resolve import check_causal_lm, load_config, resolve_model
 from attnkit.converters.stream.rowstore import RowStore
-from attnkit.io.tensor_rows import embed_into, embed_rows, read_rows, tensor_rows
+from attnkit.io.tensor_rows import embed_into, read_rows, tensor_rows
 
 ROW_BATCH = 1  # rows of hidden states pushed through a layer at once
 
@@ -40,6 +40,7 @@ class Source:
     prefix: str  # "model.layers."
     dtype: torch.dtype  # the weights' storage dtype (bf16 / fp16, else fp32): the output's by default
     embed_scale: float | None  # what the embedding lookup is multiplied by (Gemma's sqrt(hidden_size)), None: 1
+    nbytes: int  # of its weight files (the output's size follows from it)
 
 
 
@@ -57,7 +58,8 @@ def open_source(model: str, check=describe) -> Source:
     d = getattr(hf_config, "head_dim", None) or D // H
     # Gemma scales the lookup by sqrt(hidden_size), rounded to the embedding's dtype as it does
     scale = float(torch.tensor(D**0.5).to(ckpt.storage_dtype(family.embed + ".weight"))) if family.embed_scale else None
-    return Source(path, config, hf_config, family, ckpt, Shape(D, H, G, d), "model.layers.", ckpt.storage_dtype(), scale)
+    return Source(path, config, hf_config, family, ckpt, Shape(D, H, G, d), "model.layers.", ckpt.storage_dtype(), scale,
+                  ckpt.total_bytes())
 
 
 def load_layer(src: Source, layer: int, device: str, mlp: bool = True, mlp_fp32: bool = False) -> torch.nn.Module:
@@ -168,11 +170,6 @@ def embedded(src: Source, ids: torch.Tensor, path: Path) -> RowStore:
     store = RowStore(path, ids.shape[0], (ids.shape[1], src.shape.D))
     embed_into(store, src.ckpt, src.family.embed + ".weight", ids, scale=src.embed_scale)
     return store
-
-
-def embed(src: Source, ids: torch.Tensor) -> torch.Tensor:
-    """The input embeddings of ids [rows, T] in memory: [rows, T, D] fp32 (a few rows only)."""
-    return embed_rows(src.ckpt, src.family.embed + ".weight", ids, scale=src.embed_scale)
 
 
 class Moment:
