@@ -21,9 +21,10 @@ RECALL_LENGTHS = (256, 512, 1024)
 RECALL = [f"attnkit-recall-{n}" for n in RECALL_LENGTHS]
 BUNDLED = ["attnkit-ppl", "attnkit-complete", *RECALL]
 QUICK = ["attnkit-ppl-quick", "attnkit-complete-quick", "attnkit-recall-256"]
-GROUPS = {"attnkit-core": BUNDLED, "attnkit-recall": RECALL, "attnkit-quick": QUICK}
+DISTRACT = [f"attnkit-distract-{d}" for d in ("near", "mid", "far")]  # a needle among look-alike decoys (distract.py)
+GROUPS = {"attnkit-core": BUNDLED, "attnkit-recall": RECALL, "attnkit-quick": QUICK, "attnkit-distract": DISTRACT}
 FAR = ["attnkit-recall-far"]  # the needle beyond a 64/128-token window (Titans / window retrofits)
-TASKS = [*BUNDLED, *(t for t in QUICK if t not in BUNDLED), *FAR]  # every bundled task name
+TASKS = [*BUNDLED, *(t for t in QUICK if t not in BUNDLED), *FAR, *DISTRACT]  # every bundled task name
 DEFAULT = "attnkit-quick"  # what `attnkit eval` runs without --tasks; recipes name attnkit-core
 
 
