@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", default="auto")
     p.add_argument("--heads-fraction", type=float, default=0.5)
     p.add_argument("--data", default="python", help="text source (attnkit.data spec)")
+    p.add_argument("--needles", default=None, metavar="LO,HI,DLO,DHI",
+                   help="plant recall needles in the adaptation rows: one every LO-HI tokens, asked DLO-DHI tokens later "
+                        "(a recipe's data.needles; recipes/reference-recall.yaml uses 60,120,140,400)")
     p.add_argument("--eval-rows", type=int, default=16, help="validation rows for ppl / entropy / activations")
     p.add_argument("--eval-limit", type=int, default=None, help="lm-eval documents per task (None = all)")
     p.add_argument("--threads", type=int, default=0)
@@ -75,17 +78,17 @@ def with_lora(model, r: int, modules_to_save: list[str] | None):
 
 
 def converted(method: str, source: Path, scratch: Path, args) -> Path:
-    from attnkit.converters.dex.convert import convert_dex
-    from attnkit.converters.diff.convert import convert_diff
+    """`attnkit convert --to METHOD` of the source (fp32), once per run."""
+    from attnkit.cli import main as cli
 
     out = scratch / method
     if (out / "config.json").is_file():  # converted once per run
         return out
-    ns = argparse.Namespace(
-        model=str(source), out=str(out), force=False, dtype="fp32", device="cpu", calib=args.data, calib_tokens=16384,
-        calib_seq_len=args.seq_len, seed=args.seed, heads=args.heads, heads_fraction=args.heads_fraction, to=method,
-    )
-    (convert_dex if method == "dex" else convert_diff)(ns)
+    extra = ["--heads", args.heads, "--heads-fraction", str(args.heads_fraction)] if method == "dex" else []
+    status = cli(["convert", "--to", method, str(source), "-o", str(out), "--dtype", "fp32", "--calib", args.data,
+                  "--calib-tokens", "16384", "--calib-seq-len", str(args.seq_len), "--seed", str(args.seed), *extra])
+    if status:
+        raise SystemExit(f"attnkit convert --to {method} failed (exit status {status})")
     return out
 
 
@@ -194,8 +197,7 @@ def main(argv=None) -> dict:
     else:
         source, origin = resolve_model(args.model), {"model": args.model}
     tok = AutoTokenizer.from_pretrained(source)
-    # the adaptation rows: a different seed from the DEX calibration rows
-    rows = pack_tokens(tok, args.data, "train", args.seq_len, args.tokens, seed=args.seed + 1)
+    rows = adaptation_rows(tok, args)
     val = pack_tokens(tok, args.data, "validation", args.seq_len, args.eval_rows * args.seq_len, seed=args.seed)
     results: dict = {"settings": vars(args), "source": origin, "train_tokens": int(rows.numel()), "arms": {}}
     heads = None
@@ -223,6 +225,17 @@ def main(argv=None) -> dict:
     scratch_root.cleanup()
     write(results, Path(args.out))
     return results
+
+
+def adaptation_rows(tokenizer, args) -> torch.Tensor:
+    """The rows every arm trains on: a different seed from the DEX calibration rows, needles planted with --needles."""
+    from attnkit.training.batches import load_train_rows
+    from attnkit.training.recipe import DataSection, NeedleSection
+
+    spec = [int(x) for x in args.needles.split(",")] if args.needles else []
+    needles = NeedleSection(spacing=spec[:2], distance=spec[2:]) if spec else NeedleSection()
+    data = DataSection(source=args.data, seq_len=args.seq_len, seed=args.seed + 1, needles=needles)
+    return load_train_rows(tokenizer, data, args.tokens // args.seq_len)
 
 
 def export_run_checkpoint(run_dir: Path, out: Path) -> tuple[Path, dict]:
