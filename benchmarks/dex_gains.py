@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dex_adapt  # noqa: E402  (the arms are built there)
+import dex_adapt
 
-from attnkit.evaluation import robustness as rb  # noqa: E402
-from attnkit.evaluation.tasks import DISTRACT  # noqa: E402
+from attnkit.evaluation import robustness as rb
+from attnkit.evaluation.tasks import DISTRACT
 
 MASS_TASK = "attnkit-distract-far"
 

@@ -12,7 +12,7 @@ from test_dex_models import retrofit_pair, set_step, tiny_tokenizer
 from attnkit.evaluation import robustness as rb
 from attnkit.evaluation import tasks as bundled
 
-TINY = dict(hidden=64, heads=4, kv_heads=2, layers=2)
+TINY = {"hidden": 64, "heads": 4, "kv_heads": 2, "layers": 2}
 
 
 def _tiny_llama(seed: int = 0):

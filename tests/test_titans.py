@@ -73,7 +73,7 @@ def _random_inputs(batch, heads, dim, depth, length, seed):
        chunk=st.integers(1, 5), length=st.integers(1, 11), seed=st.integers(0, 10_000))
 def test_chunked_update_equals_token_by_token_recurrence(batch, heads, dim, depth, chunk, length, seed):
     state, q, tokens = _random_inputs(batch, heads, dim, depth, length, seed)
-    reads, after = memory_read_write(state, q, tokens, chunk)
+    reads, after, _ = memory_read_write(state, q, tokens, chunk)
     ref_reads, ref_weights, ref_momentum = _token_by_token(state, q, tokens, chunk)
     torch.testing.assert_close(reads, ref_reads, rtol=1e-9, atol=1e-9)
     # the state after the last complete chunk; the partial one waits in `pending`
@@ -92,9 +92,9 @@ def test_chunked_update_equals_token_by_token_recurrence(batch, heads, dim, dept
 def test_reading_in_pieces_equals_reading_at_once(chunk, length, split, seed):
     split = min(split, length - 1)
     state, q, tokens = _random_inputs(2, 2, 3, 2, length, seed)
-    whole, end = memory_read_write(state, q, tokens, chunk)
-    first, mid = memory_read_write(state, q[:, :, :split], {k: t[:, :, :split] for k, t in tokens.items()}, chunk)
-    second, end2 = memory_read_write(mid, q[:, :, split:], {k: t[:, :, split:] for k, t in tokens.items()}, chunk)
+    whole, end, _ = memory_read_write(state, q, tokens, chunk)
+    first, mid, _ = memory_read_write(state, q[:, :, :split], {k: t[:, :, :split] for k, t in tokens.items()}, chunk)
+    second, end2, _ = memory_read_write(mid, q[:, :, split:], {k: t[:, :, split:] for k, t in tokens.items()}, chunk)
     torch.testing.assert_close(torch.cat([first, second], dim=2), whole, rtol=1e-10, atol=1e-10)
     for a, b in zip(end.tensors(), end2.tensors()):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
@@ -103,7 +103,7 @@ def test_reading_in_pieces_equals_reading_at_once(chunk, length, split, seed):
 def test_memory_grads_are_the_weighted_sum_of_clipped_autograd_gradients():
     state, _, tokens = _random_inputs(1, 1, 4, 3, 6, seed=3)
     coef = torch.rand(1, 1, 6, dtype=torch.float64)
-    (got,) = memory_grads(state.weights, tokens["k"], tokens["v"], [coef])
+    (got,), _ = memory_grads(state.weights, tokens["k"], tokens["v"], [coef])
     want = [torch.zeros_like(w) for w in state.weights]
     clipped = 0
     for t in range(6):
@@ -137,7 +137,7 @@ def test_window_mask_keeps_the_last_w_keys_and_padding():
 
 
 def titans_model(family: str, window: int, chunk: int = 4, depth: int = 2, memory_dim: int | None = None,
-                 impl: str = "eager", seed: int = 0, **kw):
+                 impl: str = "eager", seed: int = 0, slots: int = 0, **kw):
     """(source, Titans model with the same weights), fp32, eval; the Titans ramp closed (0)."""
     import attnkit.adapters  # noqa: F401
     from attnkit.adapters.modeling_attnkit import CLASSES
@@ -149,7 +149,7 @@ def titans_model(family: str, window: int, chunk: int = 4, depth: int = 2, memor
     source = AutoModelForCausalLM.from_config(config).float().eval()
     value_dim = config.v_head_dim if family == "deepseek_v3" else config.hidden_size // config.num_attention_heads
     fields = titans_config_fields({"window": window, "chunk": chunk, "memory_depth": depth,
-                                   "memory_dim": memory_dim or value_dim}, 0.25, family)
+                                   "memory_dim": memory_dim or value_dim, "sparse_slots": slots}, 0.25, family)
     plain = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
     config_class, model_class = CLASSES[family]
     target_config = config_class(**plain, attnkit=fields)

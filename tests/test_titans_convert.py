@@ -66,9 +66,11 @@ def test_memory_starts_from_the_layers_projections(tmp_path, capsys, calib, llam
 
 
 def test_fresh_process_loads_with_remote_code_only(tmp_path, calib, llama_src):
+    """With sparse slots too: a 30-token forward at W = 16 reads them, in a venv-like process without attnkit."""
     out = tmp_path / "out"
-    assert convert_cli("titans", llama_src, out, calib, "--window", "16", "--chunk", "4") == 0
-    assert (out / "titans.py").is_file() and "auto_map" in json.loads((out / "config.json").read_text())
+    assert convert_cli("titans", llama_src, out, calib, "--window", "16", "--chunk", "4", "--sparse-slots", "3") == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (out / "titans.py").is_file() and "auto_map" in config and config["attnkit"]["sparse_slots"] == 3
     ids = torch.randint(0, 300, (1, 30))
     (fresh,) = fresh_process_logits([out], ids, tmp_path)
     with torch.no_grad():
@@ -90,6 +92,8 @@ def test_fresh_process_loads_with_remote_code_only(tmp_path, calib, llama_src):
     (["--memory-depth", "5"], "--memory-depth"),
     (["--memory-dim", "33"], "--memory-dim"),
     (["--variant", "mal"], "not implemented"),
+    (["--sparse-slots", "-1"], "--sparse-slots"),
+    (["--memory-depth", "0", "--sparse-slots", "4"], "needs a memory"),
 ])
 def test_bad_settings_are_one_line_and_nothing_is_written(tmp_path, capsys, calib, llama_src, flags, words):
     before = tree_digest(llama_src)

@@ -7,7 +7,8 @@ the family's own computation up to the attention function, then:
     out = attention(Q, K, V)                        # [B, T, H, d_v], the source's kernel (sdpa/eager/…)
     DIFF: out = diff(out, attention(Q2, K, V))      # second map from a new query, same cached K
     DEX:  out = dex(out)                            # O − λ·f_D(O) on selected heads
-    Titans: attention over the last W keys, then out = titans(hidden, out)   # memory mixed in by a gate
+    Titans: attention over the last W keys (and S slots: the most surprising keys it lost), then the memory
+            mixed in by a gate: out = titans.blend(hidden, out, memory reads)
     return o_proj(out.reshape(B, T, H·d_v))
 
 Q, K, V, the cache and o_proj are the source's, so the KV cache is unchanged and LoRA on the
@@ -39,7 +40,7 @@ from .dex import DexHeadMix
 from .diff import DiffCombine
 from .families import FAMILIES as DESCRIPTIONS
 from .families import Family as Description
-from .titans import TitansMemory, new_token_validity, titans_cache_layer, window_mask, with_titans_cache
+from .titans import TitansMemory, titans_attention, titans_cache_layer, with_titans_cache
 
 
 # ---------------------------------------------------------------- per-family Q / K / V
@@ -157,16 +158,11 @@ def _retrofit_forward(self, hidden_states, position_embeddings=None, attention_m
     if window is not None:
         extra["sliding_window"] = window
     titans = getattr(self, "titans", None)
-    if titans is not None:  # the source attention over the last W keys only
-        valid = new_token_validity(attention_mask, seq, k.shape[-2])  # [B, T] or None
-        attention_mask = window_mask(attention_mask, seq, k.shape[-2], titans.window, q.dtype, q.device)
-    out, weights = attention(self, q, k, v, attention_mask, **extra, **kwargs)  # out [B, T, H, d_v]
-    if titans is not None:
-        layer_cache = titans_cache_layer(cache, self.layer_idx)
-        out, state = titans(hidden_states, out, valid, layer_cache.memory if layer_cache is not None else None,
-                            keep=layer_cache is not None)
-        if layer_cache is not None:
-            layer_cache.memory = state
+    if titans is not None:  # the source attention over the last W keys (and the slots), the memory mixed in
+        out, weights = titans_attention(self, titans, titans_cache_layer(cache, self.layer_idx), attention, q, k, v,
+                                        hidden_states, attention_mask, **extra, **kwargs)
+    else:
+        out, weights = attention(self, q, k, v, attention_mask, **extra, **kwargs)  # out [B, T, H, d_v]
     if hasattr(self, "diff"):
         q2 = family.queries(self, self.diff_q_proj, hidden_states, position_embeddings)
         out2, _ = attention(self, q2, k, v, attention_mask, **extra, **kwargs)
@@ -212,7 +208,7 @@ def install_attention(attn: nn.Module, config, family_name: str) -> None:
         attn.dex = DexHeadMix(heads, head_dim, spec["selected_heads"][layer], layer, anneal)
     elif module == "titans":
         attn.titans = TitansMemory(config.hidden_size, heads, head_dim, spec["memory_dim"], spec["memory_depth"],
-                                   spec["window"], spec["chunk"], layer, anneal)
+                                   spec["window"], spec["chunk"], layer, anneal, int(spec.get("sparse_slots", 0)))
     else:  # diff
         attn.diff_q_proj = nn.Linear(config.hidden_size, heads * family.query_dim(config), bias=False)
         nn.init.zeros_(attn.diff_q_proj.weight)  # A2 starts as the uniform causal average

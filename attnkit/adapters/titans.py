@@ -69,15 +69,17 @@ def memory_apply(weights: list[torch.Tensor], x: torch.Tensor) -> tuple[torch.Te
 
 
 def memory_grads(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-                 coefs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+                 coefs: list[torch.Tensor]) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
     """For each coefficient set c [B, H, N]: sum_t c_t * clip(grad_W l_t(W)) per weight, l_t = ||M(k_t) - v_t||^2,
-    each token's gradient of each weight scaled to Frobenius norm <= 1 (`SURPRISE_CLIP`).
+    each token's gradient of each weight scaled to Frobenius norm <= 1 (`SURPRISE_CLIP`); and l_t [B, H, N]
+    itself, each token's surprise (what the sparse slots keep the most of).
 
     Written out (not autograd) so the per-token gradients are never materialised: a token's gradient
     of a weight is the outer product a_t^T d_t (a_t: the layer's input, d_t: the loss gradient at its
     output), its norm |a_t| |d_t|, and sum_t c_t a_t^T d_t is one matmul."""
     y, pre = memory_apply(weights, k)
     delta = 2 * (y - v)  # dl/dy [B, H, N, M]
+    loss = (y - v).square().sum(-1)  # [B, H, N]
     sums: list[list[torch.Tensor]] = [[None] * len(weights) for _ in coefs]
     for i in reversed(range(len(weights))):
         a = F.silu(pre[i]) if i > 0 else pre[i]  # the layer's input [B, H, N, M_in]
@@ -87,7 +89,7 @@ def memory_grads(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
             sums[j][i] = (a * (c * clip).unsqueeze(-1)).transpose(-1, -2) @ delta  # [B, H, M_in, M_out]
         if i > 0:
             delta = (delta @ weights[i].transpose(-1, -2)) * _silu_grad(pre[i])
-    return sums
+    return sums, loss
 
 
 def chunk_coefficients(log_keep: torch.Tensor, log_eta: torch.Tensor, theta: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -124,19 +126,21 @@ class MemoryState:
                            {k: fn(t) for k, t in self.pending.items()})
 
 
-def update_chunk(state: MemoryState, chunk: dict[str, torch.Tensor], co: dict[str, torch.Tensor]) -> MemoryState:
+def update_chunk(state: MemoryState, chunk: dict[str, torch.Tensor],
+                 co: dict[str, torch.Tensor]) -> tuple[MemoryState, torch.Tensor]:
     """The memory after one full chunk of tokens (fields of PENDING, [B, H, C, ...]) whose
-    `chunk_coefficients` are `co`."""
-    gw, gu = memory_grads(state.weights, chunk["k"], chunk["v"], [co["w"], co["u"]])
+    `chunk_coefficients` are `co`, and each token's surprise [B, H, C] (-inf for padding: it writes nothing)."""
+    (gw, gu), loss = memory_grads(state.weights, chunk["k"], chunk["v"], [co["w"], co["u"]])
     scalar = lambda name: co[name][..., None, None]  # [B, H] -> [B, H, 1, 1]
     weights = [scalar("keep_all") * w + scalar("carry") * s - g for w, s, g in zip(state.weights, state.momentum, gw)]
     momentum = [scalar("eta_all") * s - g for s, g in zip(state.momentum, gu)]
-    return MemoryState(weights, momentum)
+    return MemoryState(weights, momentum), loss.masked_fill(chunk["theta"] == 0, float("-inf"))
 
 
 def memory_read_write(state: MemoryState, queries: torch.Tensor, tokens: dict[str, torch.Tensor],
-                      chunk: int) -> tuple[torch.Tensor, MemoryState]:
-    """Read `queries` [B, H, T, M] and write `tokens` (PENDING fields, [B, H, T, ...]) chunk by chunk.
+                      chunk: int) -> tuple[torch.Tensor, MemoryState, torch.Tensor]:
+    """Read `queries` [B, H, T, M] and write `tokens` (PENDING fields, [B, H, T, ...]) chunk by chunk;
+    also returns the surprise [B, H, n] of the n tokens written, in order from the first pending one.
 
     Chunk boundaries count from the first token the state ever saw, so reading a sequence in pieces
     (decoding) gives what reading it at once gives. Each query reads the weights at its chunk's start.
@@ -148,10 +152,11 @@ def memory_read_write(state: MemoryState, queries: torch.Tensor, tokens: dict[st
     full = total // chunk  # complete chunks, written now; the rest waits
     chunks = {k: t[:, :, :full * chunk].unflatten(2, (full, chunk)) for k, t in todo.items()}  # [B, H, n, C, ...]
     co = chunk_coefficients(chunks["log_keep"], chunks["log_eta"], chunks["theta"])  # each [B, H, n(, C)]
-    starts = [state.weights]  # the weights each chunk reads
+    starts, surprise = [state.weights], []  # the weights each chunk reads
     for c in range(full):
-        state = update_chunk(state, {k: t[:, :, c] for k, t in chunks.items()}, {k: t[:, :, c] for k, t in co.items()})
+        state, loss = update_chunk(state, {k: t[:, :, c] for k, t in chunks.items()}, {k: t[:, :, c] for k, t in co.items()})
         starts.append(state.weights)
+        surprise.append(loss)
     state = MemoryState(state.weights, state.momentum,
                         {k: t[:, :, full * chunk:] for k, t in todo.items()} if total > full * chunk else {})
     first, last = offset // chunk, (total - 1) // chunk  # the chunks the queries fall in
@@ -159,7 +164,8 @@ def memory_read_write(state: MemoryState, queries: torch.Tensor, tokens: dict[st
     lead = offset - first * chunk  # query slots before the first query in its chunk
     padded = F.pad(queries, (0, 0, lead, (last + 1) * chunk - total))  # [B, H, (n_read)·C, M]
     reads = memory_apply(weights, padded.unflatten(2, (last + 1 - first, chunk)))[0]  # [B, H, n_read, C, M]
-    return reads.flatten(2, 3)[:, :, lead:lead + queries.shape[2]], state
+    written = torch.cat(surprise, dim=2) if surprise else queries.new_zeros(*queries.shape[:2], 0)
+    return reads.flatten(2, 3)[:, :, lead:lead + queries.shape[2]], state, written
 
 
 # ---------------------------------------------------------------- masks for the window
@@ -195,9 +201,10 @@ class TitansMemory(nn.Module):
     """One layer's long-term memory and its Memory-as-Gate mix with the windowed attention output."""
 
     def __init__(self, hidden: int, heads: int, value_dim: int, memory_dim: int, depth: int, window: int,
-                 chunk: int, layer_idx: int, anneal_fraction: float = 0.25):
+                 chunk: int, layer_idx: int, anneal_fraction: float = 0.25, slots: int = 0):
         super().__init__()
         self.heads, self.memory_dim, self.window, self.chunk = heads, memory_dim, window, chunk
+        self.slots = slots  # per KV head: exact keys/values of the most surprising tokens the window lost
         self.register_buffer("ramp", torch.zeros(1))
         self.register_buffer("anneal_fraction", torch.tensor([float(anneal_fraction)]))
         self.initial = nn.ParameterList()
@@ -244,27 +251,159 @@ class TitansMemory(nn.Module):
                 out[name] = out[name] * keep
         return out
 
-    def forward(self, x: torch.Tensor, attn_out: torch.Tensor, valid: torch.Tensor | None,
-                state: MemoryState | None, keep: bool = True) -> tuple[torch.Tensor, MemoryState | None]:
-        """x [B, T, D] (the attention's input), attn_out [B, T, H, d_v] -> (mixed output, new state).
+    def read_write(self, x: torch.Tensor, valid: torch.Tensor | None, state: MemoryState | None,
+                   keep: bool = True) -> tuple[torch.Tensor | None, MemoryState | None, torch.Tensor | None]:
+        """x [B, T, D] (the attention's input) -> (the memory's reads [B, H, T, M], the new state, the surprise
+        [B, H, n] of the n tokens written, from the first that was pending).
 
-        With the ramp at 0 the output is `attn_out` whatever the memory holds, so at inference
-        (no grad) with no state kept (`keep` False: no cache) the memory is not computed at all. In
-        training it is: a first step at ramp 0 that trains only the memory needs the (zero) gradient path."""
-        skip = not keep and not bool(self.ramp) and not torch.is_grad_enabled()
-        if not len(self.initial) or skip:  # depth 0, or nothing to mix, keep or train
-            return attn_out, None
+        With the ramp at 0 the output is the attention's whatever the memory holds, so at inference (no
+        grad) with no state kept (`keep` False: no cache) and no slots to choose, the memory is not
+        computed at all: (None, None, None). In training it is: a first step at ramp 0 that trains only
+        the memory needs the (zero) gradient path."""
+        skip = not keep and not bool(self.ramp) and not torch.is_grad_enabled() and not self.slots
+        if not len(self.initial) or skip:  # depth 0, or nothing to mix, keep, choose or train
+            return None, None, None
         if state is None:
             state = self.initial_state(x.shape[0])
         q = F.normalize(self._heads(self.q_proj, x), dim=-1)
-        read, state = memory_read_write(state, q, self.tokens(x, valid), self.chunk)  # [B, H, T, M]
+        return memory_read_write(state, q, self.tokens(x, valid), self.chunk)
+
+    def blend(self, x: torch.Tensor, attn_out: torch.Tensor, read: torch.Tensor | None) -> torch.Tensor:
+        """Memory as Gate: attn_out [B, T, H, d_v] moved towards the memory's reads by the gate g_h(x) * ramp."""
+        if read is None:
+            return attn_out
         mem = (read @ self.out.float()).transpose(1, 2).to(attn_out.dtype)  # [B, H, T, d_v] -> [B, T, H, d_v]
         gate = (self.ramp * torch.sigmoid(self.mix(x).float())).to(attn_out.dtype).unsqueeze(-1)  # [B, T, H, 1]
         # a closed gate gives the attention output itself, whatever the memory holds
-        return torch.where(gate == 0, attn_out, attn_out + gate * (mem - attn_out)), state
+        return torch.where(gate == 0, attn_out, attn_out + gate * (mem - attn_out))
+
+    def forward(self, x: torch.Tensor, attn_out: torch.Tensor, valid: torch.Tensor | None,
+                state: MemoryState | None, keep: bool = True) -> tuple[torch.Tensor, MemoryState | None]:
+        """x [B, T, D], attn_out [B, T, H, d_v] -> (mixed output, new state): `read_write`, then `blend`."""
+        read, state, _ = self.read_write(x, valid, state, keep)
+        return self.blend(x, attn_out, read), state
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, memory_dim={self.memory_dim}, depth={len(self.initial)}, window={self.window}, chunk={self.chunk}"
+
+
+# ---------------------------------------------------------------- sparse slots: what the window lost, kept exactly
+
+
+@dataclass
+class Slots:
+    """One layer's kept tokens per KV head (S at most): keys [B, G, S, d_k], values [B, G, S, d_v],
+    positions and surprise [B, G, S] (-inf: an empty slot)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    score: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.pos, self.score]
+
+    def map(self, fn) -> "Slots":
+        return Slots(*(fn(t) for t in self.tensors()))
+
+
+def empty_slots(k: torch.Tensor, v: torch.Tensor, slots: int) -> Slots:
+    """`slots` empty slots (surprise -inf) shaped like k [B, G, ·, d_k] and v: a cache holds its S slots from
+    the first token on, so they add nothing per token (only the window's surprises do)."""
+    B, G = k.shape[:2]
+    return Slots(k.new_zeros(B, G, slots, k.shape[-1]), v.new_zeros(B, G, slots, v.shape[-1]),
+                 torch.full((B, G, slots), -1, dtype=torch.long, device=k.device),
+                 torch.full((B, G, slots), float("-inf"), device=k.device))
+
+
+def kv_surprise(loss: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Per KV head, the mean surprise of the query heads it serves: [B, H, n] -> [B, G, n]."""
+    B, H, n = loss.shape
+    return loss.view(B, kv_heads, H // kv_heads, n).mean(2)
+
+
+def slot_mask(q_pos: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, window: int, slots: int) -> torch.Tensor:
+    """[B, G, T, N]: key j is a slot of query i when it has left i's window (pos_j <= pos_i - W), has a
+    surprise (NaN: not known yet; -inf: padding) and fewer than `slots` other tokens that have left it
+    rank above it (a higher surprise; on a tie, the later token). q_pos [T]; pos, score [B, G, N].
+
+    The keys kept are then the S most surprising of all the window has lost: with scores fixed once
+    known, a token evicted from the S best never returns, so a store of S slots per KV head, updated as
+    tokens leave the window (`next_slots`), is all a decoder needs to give what this gives at once."""
+    gone = pos.unsqueeze(-2) <= (q_pos - window)[:, None]  # [B, G, T, N]
+    s_j, s_k = score.unsqueeze(-1), score.unsqueeze(-2)  # [B, G, N, 1], [B, G, 1, N]
+    above = (s_k > s_j) | ((s_k == s_j) & (pos.unsqueeze(-2) > pos.unsqueeze(-1)))  # [B, G, j, k]: k above j
+    rank = gone.float() @ above.transpose(-1, -2).float()  # [B, G, T, j]: gone for i and above j (exact counts)
+    return gone & (rank < slots) & torch.isfinite(score).unsqueeze(-2)
+
+
+def next_slots(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, end: int, window: int,
+               slots: int) -> Slots:
+    """The store the next query (position `end`) reads: its slots among candidates k [B, G, N, d_k], v, pos,
+    score [B, G, N] (the old store and every key of this step)."""
+    chosen = slot_mask(pos.new_tensor([end]), pos, score, window, slots)[:, :, 0]  # [B, G, N], N >= S
+    idx = chosen.float().topk(slots, dim=-1).indices  # [B, G, S], the chosen first
+    take = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))  # noqa: E731
+    empty = ~chosen.gather(-1, idx)
+    return Slots(take(k), take(v), pos.gather(-1, idx), score.gather(-1, idx).masked_fill(empty, float("-inf")))
+
+
+def key_scores(stored: torch.Tensor | None, k: torch.Tensor, new: int, pending: int,
+               surprise: torch.Tensor | None) -> torch.Tensor:
+    """The surprise of every key of this step [B, G, N] (the window kept in the cache, then `new` tokens):
+    the cache's scores (`stored`), NaN for the new tokens, then the `surprise` [B, G, n] of the tokens the
+    memory wrote now, from the first of the `pending` ones it had waiting (all within the window: C <= W)."""
+    B, G, N = k.shape[:3]
+    nan = torch.full((B, G, new), float("nan"), device=k.device)
+    scores = nan if stored is None or stored.shape[-1] == 0 else torch.cat([stored, nan], dim=-1)
+    if surprise is not None and surprise.shape[-1]:
+        first = N - new - pending
+        scores[..., first:first + surprise.shape[-1]] = surprise
+    return scores
+
+
+def _with_slots(titans: "TitansMemory", layer: "TitansCacheLayer | None", k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor, heads: int, seq: int, pending: int, surprise: torch.Tensor | None):
+    """(k, v with the layer's slots in front, each query's mask over them [B, H, T, S + N] in the kind of
+    `mask`, bool or additive); stores the next query's slots and the window's scores in the cache."""
+    B, G, N = k.shape[:3]
+    end = layer.cumulative_length if layer is not None else seq  # tokens seen, this step's included
+    scores = key_scores(layer.scores if layer is not None else None, k, seq, pending,
+                        None if surprise is None else kv_surprise(surprise, G))
+    store = layer.slots if layer is not None and layer.slots is not None else empty_slots(k, v, titans.slots * (layer is not None))
+    pos = torch.cat([store.pos, torch.arange(end - N, end, device=k.device).expand(B, G, N)], dim=-1)
+    score = torch.cat([store.score, scores], dim=-1)
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # [B or 1, 1, T, N]
+    allowed = torch.cat([allowed.new_zeros(B, G, seq, store.pos.shape[-1]), allowed.expand(B, G, seq, N)], dim=-1)
+    allowed = allowed | slot_mask(torch.arange(end - seq, end, device=k.device), pos, score, titans.window, titans.slots)
+    k_all, v_all = torch.cat([store.k, k], dim=2), torch.cat([store.v, v], dim=2)
+    if layer is not None:
+        layer.slots = next_slots(k_all, v_all, pos, score, end, titans.window, titans.slots)
+        layer.scores = scores[..., N - layer.keys.shape[-2]:]  # aligned with the window the cache keeps
+    allowed = allowed.repeat_interleave(heads // G, dim=1)  # [B, H, T, S + N]
+    if mask.dtype == torch.bool:
+        return k_all, v_all, allowed
+    return k_all, v_all, torch.zeros_like(allowed, dtype=mask.dtype).masked_fill(~allowed, torch.finfo(mask.dtype).min)
+
+
+def titans_attention(attn: nn.Module, titans: "TitansMemory", layer: "TitansCacheLayer | None", attention,
+                     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
+                     mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Titans layer's attention: the memory reads and writes x first (its surprise chooses the slots),
+    then `attention` (the model's function) over the last W keys and the slots, then the gate mixes the
+    memory in. q [B, H, T, d], k/v [B, G, N, d] (after the cache's update); out [B, T, H, d_v]."""
+    seq, n_keys = hidden.shape[1], k.shape[-2]
+    valid = new_token_validity(mask, seq, n_keys)  # [B, T] or None
+    state = layer.memory if layer is not None else None
+    pending = state.pending["k"].shape[2] if state is not None and state.pending else 0
+    read, state, surprise = titans.read_write(hidden, valid, state, keep=layer is not None)
+    mask = window_mask(mask, seq, n_keys, titans.window, q.dtype, q.device)
+    if titans.slots:
+        k, v, mask = _with_slots(titans, layer, k, v, mask, q.shape[1], seq, pending, surprise)
+    out, weights = attention(attn, q, k, v, mask, **kwargs)
+    if layer is not None:
+        layer.memory = state
+    return titans.blend(hidden, out, read), weights
 
 
 # ---------------------------------------------------------------- the bounded cache
@@ -281,14 +420,16 @@ class TitansCacheLayer(DynamicSlidingWindowLayer):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.chunk = chunk
         self._memory: MemoryState | None = None
-        self._slots: dict[str, torch.Tensor] = {}  # PENDING fields, [B, H, C, ...]
+        self._pending: dict[str, torch.Tensor] = {}  # PENDING fields in C slots, [B, H, C, ...]
         self._filled = 0
+        self.slots: Slots | None = None  # sparse slots: the most surprising tokens the window lost
+        self.scores: torch.Tensor | None = None  # [B, G, W - 1]: the surprise of the window's keys (NaN: unknown)
 
     @property
     def memory(self) -> MemoryState | None:
         if self._memory is None:
             return None
-        pending = {k: t[:, :, :self._filled] for k, t in self._slots.items()} if self._filled else {}
+        pending = {k: t[:, :, :self._filled] for k, t in self._pending.items()} if self._filled else {}
         return MemoryState(self._memory.weights, self._memory.momentum, pending)
 
     @memory.setter
@@ -296,27 +437,31 @@ class TitansCacheLayer(DynamicSlidingWindowLayer):
         self._memory = None if state is None else MemoryState(state.weights, state.momentum)
         pending = {} if state is None else state.pending
         self._filled = pending["k"].shape[2] if pending else 0
-        if state is not None and (not self._slots or self._slots["k"].shape[0] != state.weights[0].shape[0]):
+        if state is not None and (not self._pending or self._pending["k"].shape[0] != state.weights[0].shape[0]):
             first, last = state.weights[0], state.weights[-1]  # [B, H, M, ·], [B, H, ·, M]
             vector = {"k": first.shape[-2], "v": last.shape[-1]}
-            self._slots = {name: first.new_zeros(*first.shape[:2], self.chunk, *([vector[name]] if name in vector else []))
+            self._pending = {name: first.new_zeros(*first.shape[:2], self.chunk, *([vector[name]] if name in vector else []))
                            for name in PENDING}
         for name, t in pending.items():
-            self._slots[name][:, :, :self._filled] = t
+            self._pending[name][:, :, :self._filled] = t
 
     def stored_bytes(self) -> int:
         tensors = [t for t in (self.keys, self.values) if isinstance(t, torch.Tensor)]
-        tensors += (self._memory.tensors() if self._memory is not None else []) + list(self._slots.values())
+        tensors += (self._memory.tensors() if self._memory is not None else []) + list(self._pending.values())
+        tensors += (self.slots.tensors() if self.slots is not None else []) + ([self.scores] if self.scores is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def reset(self) -> None:
         super().reset()
         self.memory = None
+        self.slots, self.scores = None, None
 
     def _map_batch(self, fn) -> None:
         if self._memory is not None:
             self._memory = self._memory.map(fn)
-        self._slots = {k: fn(t) for k, t in self._slots.items()}
+        self._pending = {k: fn(t) for k, t in self._pending.items()}
+        self.slots = self.slots.map(fn) if self.slots is not None else None
+        self.scores = fn(self.scores) if self.scores is not None else None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)

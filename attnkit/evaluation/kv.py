@@ -195,5 +195,7 @@ def bounded_state_note(titans: dict) -> str:
     state = titans["state_bytes"]
     sizes = ", ".join(f"{b:,} B at {n:,}" for n, b in zip(state["contexts"], state["bytes"]))
     memory = "no memory" if not titans["memory_depth"] else "the memory"
+    if titans.get("sparse_slots"):
+        memory += f" + {titans['sparse_slots']} kept tokens' keys/values per KV head (sparse slots)"
     return (f"bounded: the last {titans['window'] - 1} tokens' keys/values per layer + {memory}; the per-token "
             f"figure is the growth below W = {titans['window']}, none past it (whole cache, fp32: {sizes} tokens)")

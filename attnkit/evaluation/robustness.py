@@ -128,7 +128,7 @@ def kurtosis(x: torch.Tensor) -> float:
 def top_magnitude(x: torch.Tensor, fraction: float = 0.01) -> float:
     """The magnitude the top `fraction` of |x| reaches or exceeds (its 1 − fraction quantile)."""
     a = x.detach().abs().flatten().float()
-    k = max(1, int(round(a.numel() * (1 - fraction))))
+    k = max(1, round(a.numel() * (1 - fraction)))
     return float(a.kthvalue(k).values)
 
 

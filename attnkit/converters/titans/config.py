@@ -16,5 +16,8 @@ class TitansConfig:
     memory_depth: int = option(2, "layers of the memory MLP (default 2; 0 = the window alone, no memory: the "
                                "baseline)", metavar="N")
     memory_dim: int | None = option(None, "memory key/value size per head (default: head_dim)", metavar="M")
+    sparse_slots: int = option(0, "per layer and KV head, the exact keys/values of the S most surprising tokens "
+                               "(the memory's loss) that left the window, read by the attention beside it "
+                               "(default 0: the window alone)", metavar="S")
     variant: str = option("mag", "how memory and attention combine: mag = Memory as Gate (mal, Memory as a Layer: not "
                           "implemented, refused)", choices=("mag", "mal"))

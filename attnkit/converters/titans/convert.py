@@ -46,7 +46,8 @@ def _settings(args: argparse.Namespace, config: dict) -> dict:
     if getattr(args, "variant", "mag") != "mag":
         raise AttnkitError(f"--variant {args.variant} (memory as a layer) is not implemented yet; --variant mag "
                            f"(memory as a gate) is")
-    return check_settings(args.window, args.chunk, args.memory_depth, args.memory_dim, config)
+    return check_settings(args.window, args.chunk, args.memory_depth, args.memory_dim, config,
+                          getattr(args, "sparse_slots", 0))
 
 
 def _from_source(family_name: str, memory_dim: int, memory_depth: int, source_config: dict) -> bool:
@@ -68,14 +69,16 @@ def _report_extras(config, model_class: type) -> dict:
     """How the memory started, and the state bytes at 1, 2 and 4 windows (it must stop growing)."""
     spec = config.attnkit
     return {"titans": {**{k: spec[k] for k in ("window", "chunk", "memory_depth", "memory_dim", "variant")},
+                       "sparse_slots": int(spec.get("sparse_slots", 0)),
                        "memory_qkv_init": ("none: the window alone" if not spec["memory_depth"] else
                                            "the layer's q/k/v (KV heads repeated)" if _from_source(spec["base_model_type"], spec["memory_dim"],
                                                                                    spec["memory_depth"], config.to_dict())
                                            else "seeded random"),
                        "state_bytes": state_bytes(config, model_class)},
-            "kv_cache_effect": ("bounded: the last W-1 keys/values per layer plus the memory state (fp32) and the "
-                                "< C tokens read since its last chunk; kv_cache_bytes_per_token.after is the growth "
-                                "below W (window keys/values and pending memory writes), none past W")}
+            "kv_cache_effect": ("bounded: the last W-1 keys/values per layer, the S sparse slots per KV head (if any), "
+                                "the memory state (fp32) and the < C tokens read since its last chunk; "
+                                "kv_cache_bytes_per_token.after is the growth below W (window keys/values and pending "
+                                "memory writes), none past W")}
 
 
 def state_bytes(config, model_class: type) -> dict:
@@ -100,5 +103,6 @@ def summary(report: dict) -> tuple[str | None, list[str]]:
 
     t = report["titans"]
     state = ", ".join(f"{b:,} B at {n}" for n, b in zip(t["state_bytes"]["contexts"], t["state_bytes"]["bytes"]))
+    slots = f", {t['sparse_slots']} sparse slots per KV head" if t.get("sparse_slots") else ""
     return bounded_state_note(t), [f"Titans: window {t['window']}, chunk {t['chunk']}, memory depth {t['memory_depth']} "
-                                   f"x dim {t['memory_dim']}; whole cache after a forward pass (fp32): {state} tokens"]
+                                   f"x dim {t['memory_dim']}{slots}; whole cache after a forward pass (fp32): {state} tokens"]

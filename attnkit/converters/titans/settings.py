@@ -26,7 +26,7 @@ def head_sizes(config: dict) -> tuple[int, int]:
     return heads, int(value)
 
 
-def check_settings(window: int, chunk: int, depth: int, memory_dim: int | None, config: dict) -> dict:
+def check_settings(window: int, chunk: int, depth: int, memory_dim: int | None, config: dict, slots: int = 0) -> dict:
     """The validated settings (memory_dim defaulting to the value head size), or AttnkitError."""
     context = int(config.get("max_position_embeddings") or 0)
     if window < 1 or (context and window > context):
@@ -41,7 +41,10 @@ def check_settings(window: int, chunk: int, depth: int, memory_dim: int | None, 
     if not 1 <= dim <= hidden:
         raise AttnkitError(f"--memory-dim must be between 1 and hidden_size ({hidden}): each head's memory key is "
                            f"a projection of the hidden state; got {dim}")
-    return {"window": window, "chunk": chunk, "memory_depth": depth, "memory_dim": dim}
+    if slots < 0 or (slots and not depth):
+        raise AttnkitError(f"--sparse-slots must be 0 or more, and needs a memory (--memory-depth >= 1): its "
+                           f"surprise chooses the tokens kept; got {slots} with depth {depth}")
+    return {"window": window, "chunk": chunk, "memory_depth": depth, "memory_dim": dim, "sparse_slots": slots}
 
 
 def titans_config_fields(settings: dict, anneal_fraction: float, base_model_type: str, method: str = "titans") -> dict:

@@ -64,7 +64,7 @@ def items(docs: list[Document], tokenizer, distance: tuple[int, int], n: int, rn
           k: int = DECOYS, per_doc: int = 4) -> list[dict]:
     """Up to `n` items whose needle ends `distance` tokens (inclusive) before the answer's first token;
     at most `per_doc` per file, on disjoint lines."""
-    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
     reserve = 12 + (k + 1) * count(needle_line("atlas_10", "abcdef") + "\n") // 2  # the question, the decoys
     out: list[dict] = []
     for d in docs:
@@ -82,7 +82,7 @@ def _candidates(d: Document, count, distance: tuple[int, int], reserve: int, rng
     start = 0
     while start + 6 < len(lines):
         budget = rng.randint(*distance) - reserve
-        end = start + 4 + sum(1 for _ in takewhile(lambda t: t <= budget, accumulate(sizes[start + 4:])))
+        end = start + 4 + sum(1 for _ in takewhile(budget.__ge__, accumulate(sizes[start + 4:])))
         yield item(f"{d.id}:{start}@{distance[0]}-{distance[1]}", lines[start:end], rng, k, count)
         start = max(end, start + 6)
 

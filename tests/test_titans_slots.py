@@ -1,0 +1,104 @@
+"""Titans' sparse slots (`--sparse-slots S`): per layer and KV head, the exact keys/values of the S most
+surprising tokens the window has lost. The choice against a brute-force reference, S = 0 and S >= T
+against the window and full attention, decoding and `generate` with left padding against the full
+forward, and a state that stops growing at W + S."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_titans import open_memory, titans_model
+
+from attnkit.adapters.titans import TitansCache, slot_mask
+from attnkit.evaluation.kv import cache_bytes, run_for_cache
+
+
+def _slots_by_hand(pos: list[int], score: list[float], q: int, window: int, slots: int) -> set[int]:
+    """The tokens query position q keeps: of those gone from its window with a known surprise, the
+    `slots` highest (on a tie, the later)."""
+    gone = [j for j in range(len(pos)) if pos[j] <= q - window and score[j] == score[j] and score[j] != float("-inf")]
+    return set(sorted(gone, key=lambda j: (score[j], pos[j]), reverse=True)[:slots])
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 14), window=st.integers(1, 5), slots=st.integers(0, 6), data=st.data())
+def test_slot_mask_keeps_the_most_surprising_tokens_gone_from_the_window(n, window, slots, data):
+    values = st.sampled_from([0.0, 0.5, 1.0, 2.0, float("nan"), float("-inf")])  # ties, unknown, padding
+    score = data.draw(st.lists(values, min_size=n, max_size=n))
+    pos = sorted(data.draw(st.lists(st.integers(0, 30), min_size=n, max_size=n, unique=True)))
+    q_pos = sorted(data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=5, unique=True)))
+    got = slot_mask(torch.tensor(q_pos), torch.tensor(pos)[None, None], torch.tensor(score)[None, None], window, slots)
+    for i, q in enumerate(q_pos):
+        assert set(torch.nonzero(got[0, 0, i]).flatten().tolist()) == _slots_by_hand(pos, score, q, window, slots)
+
+
+def test_no_slots_and_slots_that_never_fill_are_the_window_alone():
+    ids = torch.randint(0, 300, (2, 21))
+    _, plain = titans_model("llama", window=6, chunk=2)
+    _, slotted = titans_model("llama", window=6, chunk=2, slots=4)
+    _, wide = titans_model("llama", window=32, chunk=2, slots=4)  # W > T: nothing ever leaves the window
+    _, wide_plain = titans_model("llama", window=32, chunk=2)
+    with torch.no_grad():
+        assert torch.equal(wide(input_ids=ids).logits, wide_plain(input_ids=ids).logits)
+        assert not torch.allclose(slotted(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_as_many_slots_as_tokens_is_full_attention(family):
+    """S >= T, gate closed: every token the window lost is kept, so the model is its full-attention source."""
+    source, target = titans_model(family, window=4, chunk=2, slots=32)
+    ids = torch.randint(0, 300, (2, 23))
+    with torch.no_grad():
+        torch.testing.assert_close(target(input_ids=ids).logits, source(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_decoding_token_by_token_equals_the_full_forward(family):
+    _, target = titans_model(family, window=5, chunk=3, slots=3)
+    open_memory(target)
+    ids = torch.randint(0, 300, (2, 29))
+    with torch.no_grad():
+        full = target(input_ids=ids, use_cache=False).logits
+        out = target(input_ids=ids[:, :9], use_cache=True)
+        cache, steps = out.cache, [out.logits]
+        for t in range(9, ids.shape[1], 2):  # two tokens per step: slots chosen inside a step too
+            out = target(input_ids=ids[:, t:t + 2], cache=cache, use_cache=True)
+            steps.append(out.logits)
+    assert isinstance(cache, TitansCache)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert all(layer.slots.k.shape[2] == 3 and torch.isfinite(layer.slots.score).all() for layer in cache.layers)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_generate_with_left_padding_equals_the_full_forward(impl):
+    _, target = titans_model("qwen2", window=4, chunk=2, slots=3, impl=impl)
+    open_memory(target)
+    ids = torch.randint(2, 300, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = mask[1, :1] = 0
+    ids[mask == 0] = 0
+    new = 12
+    gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    full_mask = torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        full = target(input_ids=gen.sequences, attention_mask=full_mask, use_cache=False).logits
+    torch.testing.assert_close(torch.stack(gen.scores, dim=1), full[:, ids.shape[1] - 1:-1], rtol=1e-5, atol=1e-5)
+    for layer in gen.past_key_values.layers:  # padding is never kept
+        kept = layer.slots.pos[0][torch.isfinite(layer.slots.score[0])]
+        assert (kept >= 5).all()
+
+
+def test_state_stops_growing_at_the_window_with_slots():
+    """The S slots are held from the first token on, so the state is flat from W on, larger than the
+    window's alone by the slots' keys, values, positions and surprises and the window's surprises."""
+    _, target = titans_model("llama", window=8, chunk=4, slots=5)
+    _, plain = titans_model("llama", window=8, chunk=4)
+    sizes = {n: sum(cache_bytes(run_for_cache(target, 1, n))) for n in (4, 8, 13, 20, 37, 64)}
+    assert sizes[4] < sizes[8] == sizes[13] == sizes[20] == sizes[37] == sizes[64]
+    layers, kv_heads, head_dim = 2, 2, 8
+    slots = layers * kv_heads * 5 * (2 * head_dim * 4 + 8 + 4)  # keys, values (fp32), position (int64), surprise
+    scores = layers * kv_heads * 7 * 4  # the window's W - 1 surprises
+    assert sizes[64] == sum(cache_bytes(run_for_cache(plain, 1, 64))) + slots + scores
