@@ -235,28 +235,35 @@ def test_the_open_memory_changes_the_output_and_trains():
     assert all(p.grad.abs().sum() > 0 for p in layer.initial)
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_generate_with_left_padding_equals_the_full_forward(impl):
-    _, target = titans_model("qwen2", window=6, chunk=4, impl=impl)
+def generate_left_padded(target, pad: tuple[int, int], new: int = 14):
+    """Greedy `generate` of `new` tokens from 3 rows of 9 ids, rows 0 and 1 left-padded by `pad`; checks its
+    scores against one forward over the whole sequences; returns (the generation, its full attention mask)."""
     open_memory(target)
     ids = torch.randint(2, 300, (3, 9))
     mask = torch.ones_like(ids)
-    mask[0, :3] = mask[1, :1] = 0
+    mask[0, :pad[0]] = mask[1, :pad[1]] = 0
     ids[mask == 0] = 0
-    new = 14
     gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                           output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    cache = gen.past_key_values
-    assert isinstance(cache, TitansCache) and all(isinstance(layer, TitansCacheLayer) for layer in cache.layers)
-    assert all(layer.keys.shape == (3, 2, 5, 8) for layer in cache.layers)  # [B, G, W - 1, d]: bounded
     full_mask = torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], dim=1)
     with torch.no_grad():
         full = target(input_ids=gen.sequences, attention_mask=full_mask, use_cache=False).logits
-        # what padding holds does not matter: not to the attention, not to the memory
+    torch.testing.assert_close(torch.stack(gen.scores, dim=1), full[:, ids.shape[1] - 1:-1], rtol=1e-5, atol=1e-5)
+    return gen, full_mask
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_generate_with_left_padding_equals_the_full_forward(impl):
+    _, target = titans_model("qwen2", window=6, chunk=4, impl=impl)
+    gen, full_mask = generate_left_padded(target, (3, 1))
+    cache = gen.past_key_values
+    assert isinstance(cache, TitansCache) and all(isinstance(layer, TitansCacheLayer) for layer in cache.layers)
+    assert all(layer.keys.shape == (3, 2, 5, 8) for layer in cache.layers)  # [B, G, W - 1, d]: bounded
+    with torch.no_grad():  # what padding holds does not matter: not to the attention, not to the memory
+        full = target(input_ids=gen.sequences, attention_mask=full_mask, use_cache=False).logits
         other = gen.sequences.clone()
         other[full_mask == 0] = 7
         full_other = target(input_ids=other, attention_mask=full_mask, use_cache=False).logits
-    torch.testing.assert_close(torch.stack(gen.scores, dim=1), full[:, ids.shape[1] - 1:-1], rtol=1e-5, atol=1e-5)
     assert torch.equal(full_other[full_mask.bool()], full[full_mask.bool()])
 
 

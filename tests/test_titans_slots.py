@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_titans import open_memory, titans_model
+from test_titans import generate_left_padded, open_memory, titans_model
 
 from attnkit.adapters.titans import TitansCache, slot_mask
 from attnkit.evaluation.kv import cache_bytes, run_for_cache
@@ -74,18 +74,7 @@ def test_decoding_token_by_token_equals_the_full_forward(family):
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_generate_with_left_padding_equals_the_full_forward(impl):
     _, target = titans_model("qwen2", window=4, chunk=2, slots=3, impl=impl)
-    open_memory(target)
-    ids = torch.randint(2, 300, (3, 9))
-    mask = torch.ones_like(ids)
-    mask[0, :5] = mask[1, :1] = 0
-    ids[mask == 0] = 0
-    new = 12
-    gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                          output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    full_mask = torch.cat([mask, torch.ones(3, new, dtype=mask.dtype)], dim=1)
-    with torch.no_grad():
-        full = target(input_ids=gen.sequences, attention_mask=full_mask, use_cache=False).logits
-    torch.testing.assert_close(torch.stack(gen.scores, dim=1), full[:, ids.shape[1] - 1:-1], rtol=1e-5, atol=1e-5)
+    gen, _ = generate_left_padded(target, (5, 1), new=12)
     for layer in gen.past_key_values.layers:  # padding is never kept
         kept = layer.slots.pos[0][torch.isfinite(layer.slots.score[0])]
         assert (kept >= 5).all()
