@@ -94,14 +94,11 @@ def measured(folder: Path, args) -> dict:
         return json.loads(cache.read_text())
     from attnkit.data import pack_tokens
     from attnkit.evaluation.load import load_model
-    from attnkit.evaluation.tasks import items
 
     model, tok, _ = load_model(str(folder), "fp32", "cpu")
     rows = pack_tokens(tok, "python", "validation", args.val_seq_len, args.val_rows * args.val_seq_len, seed=0)
     started = time.time()
-    result = {"distract": rb.task_correct(model, tok, DISTRACT, args.limit), "nll": rb.quantization(model, rows),
-              "outliers": rb.outliers(model, rows),
-              "mass": rb.attention_mass(model, tok, items(MASS_TASK, args.mass_items))}
+    result = rb.measure(model, tok, rows, DISTRACT, args.limit, MASS_TASK, args.mass_items)
     result["seconds"] = round(time.time() - started, 1)
     cache.write_text(json.dumps(result))
     return result

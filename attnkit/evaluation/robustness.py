@@ -289,15 +289,16 @@ def paired(a: list[list[float]], b: list[list[float]], resamples: int = 2000, se
 
 
 def measure(model: nn.Module, tokenizer, rows: torch.Tensor, tasks: list[str], limit: int | None = None,
-            mass_task: str | None = None) -> dict:
-    """All four measures on one model (eval mode, fp32): per-item / per-row values."""
+            mass_task: str | None = None, mass_items: int | None = None) -> dict:
+    """All four measures on one model (eval mode, fp32): per-item / per-row values; the attention mass
+    on the first `mass_items` items of `mass_task` (a task whose items name their needle and decoys)."""
     from attnkit.evaluation.tasks import items
 
     model.eval()
     result = {"distract": task_correct(model, tokenizer, tasks, limit), "nll": quantization(model, rows),
               "outliers": outliers(model, rows)}
     if mass_task is not None:
-        result["mass"] = attention_mass(model, tokenizer, items(mass_task, limit))
+        result["mass"] = attention_mass(model, tokenizer, items(mass_task, mass_items))
     return result
 
 
