@@ -171,6 +171,7 @@ def plot(result: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     comps = result["comparisons"]
     measures = list(next(iter(comps.values())))
@@ -186,6 +187,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_yticks(range(len(comps)), list(comps))
         ax.set_title(measure, fontsize=8)
         ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(4))
     for ax in list(axes.flat)[len(measures):]:
         ax.axis("off")
     fig.suptitle(f"arm − {result['baseline']}: paired differences, 95 % intervals", fontsize=9)
