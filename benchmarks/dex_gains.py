@@ -116,7 +116,7 @@ def per_item(m: dict) -> dict[str, list[float]]:
         if nll[key]:
             out[f"NLL rise, {label}"] = [q - f for q, f in zip(nll[key], nll["fp"])]
     for kind in ("attention", "hidden"):
-        for stat, label in (("kurtosis", "kurtosis"), ("top1pct", "top-1 % |x|")):
+        for stat, label in (("kurtosis", "kurtosis"), ("top1pct", "top-1 % magnitude")):
             layers = m["outliers"][kind][stat]
             out[f"{kind} {label} (layer mean)"] = [sum(v) / len(v) for v in zip(*layers)]
     if m["mass"]["needle"]:
@@ -160,7 +160,7 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for arm, rows in result["comparisons"].items():
         for measure, r in rows.items():
-            p = f"{r['mcnemar_p']:.3f}" if "mcnemar_p" in r else ""
+            p = f"{r['mcnemar_p']:.2g}" if "mcnemar_p" in r else ""
             lines.append(f"| {measure} | {r['baseline']:.4f} | {arm} | {r['arm']:.4f} | {r['difference']:+.4f} "
                          f"[{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] | {r['mde80']:.4f} | {p} |")
     return "\n".join(lines)
