@@ -155,14 +155,19 @@ def _mean(seeds: list[list[float]]) -> float:
 
 
 def table(result: dict) -> str:
-    base = result["baseline"]
-    lines = [f"| measure | {base} | arm | arm value | arm − {base} [95 %] | smallest detectable (80 % power) | McNemar p |",
-             "|---|---|---|---|---|---|---|"]
-    for arm, rows in result["comparisons"].items():
-        for measure, r in rows.items():
-            p = f"{r['mcnemar_p']:.2g}" if "mcnemar_p" in r else ""
-            lines.append(f"| {measure} | {r['baseline']:.4f} | {arm} | {r['arm']:.4f} | {r['difference']:+.4f} "
-                         f"[{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] | {r['mde80']:.4f} | {p} |")
+    """One row per measure: the baseline's mean, then per arm its difference [95 %] and, under it, the
+    smallest difference the test would detect with 80 % power (and McNemar's p for accuracies)."""
+    base, comps = result["baseline"], result["comparisons"]
+    arms = list(comps)
+    lines = ["| measure | " + base + " | " + " | ".join(f"{a} − {base} [95 %]" for a in arms) + " |",
+             "|---|---|" + "---|" * len(arms)]
+    for measure in comps[arms[0]]:
+        cells = []
+        for arm in arms:
+            r = comps[arm][measure]
+            p = f", p {r['mcnemar_p']:.2g}" if "mcnemar_p" in r else ""
+            cells.append(f"{r['difference']:+.4f} [{r['ci95'][0]:+.4f}, {r['ci95'][1]:+.4f}] (mde {r['mde80']:.4f}{p})")
+        lines.append(f"| {measure} | {comps[arms[0]][measure]['baseline']:.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

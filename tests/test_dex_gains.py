@@ -37,5 +37,5 @@ def test_compare_table_and_plot(tmp_path):
     assert abs(rise["difference"] + 0.1) < 1e-9 and rise["ci95"][0] <= -0.1 <= rise["ci95"][1]
     assert "mcnemar_p" in rows["distract-near acc"] and rows["distract-near acc"]["items"] == 20
     assert rows["distract-near acc"]["seeds"] == 2
-    assert "| NLL rise, int4 weights |" in out.with_suffix(".md").read_text()
+    assert "| NLL rise, int4 weights | " in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 1000
