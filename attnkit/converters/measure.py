@@ -62,7 +62,8 @@ def end_conversion_memory_policy() -> None:
     _malloc_trim()
 
 
-HEAP_REUSE_MAX = 4 << 20  # bytes: the largest temporaries `heap_reuse` keeps in the heap
+HEAP_REUSE_MAX = 2 << 20  # bytes: `heap_reuse` keeps temporaries under this in the heap (the fit then
+# fragments it by ~95 of them: at most ~0.19 GB)
 
 
 @contextmanager
@@ -71,10 +72,11 @@ def heap_reuse(block_bytes: int) -> Iterator[None]:
     it the 1 MiB threshold returns and the heap is trimmed. Why: an iterative fit on small tensors
     (the engine form's steady latent mix: hundreds of L-BFGS steps on [16384, 29] temporaries at
     the reference's size) pays a fresh mmap and its page faults for each under the 1 MiB threshold:
-    9.7 s vs 6.2 s over the reference's 4 layers. The heap's fragmentation then costs ~170 MB for a
-    moment (measured there), so above HEAP_REUSE_MAX — a model whose fit does far more arithmetic
-    per temporary than its page faults cost — nothing changes."""
-    reuse = block_bytes <= HEAP_REUSE_MAX
+    9.7 s vs 6.2 s over the reference's 4 layers. The heap's fragmentation costs ~95 blocks for a
+    moment (the reference's 1.8 MiB: ~170 MB; a 1B-wide layer's 4 MiB at 8,192 calibration tokens:
+    +395 MB, 16 % of that checkpoint, its MLA step's peak), so from HEAP_REUSE_MAX on — a model whose
+    fit does far more arithmetic per temporary than its page faults cost — nothing changes."""
+    reuse = block_bytes < HEAP_REUSE_MAX
     if reuse:
         _mallopt_mmap_threshold(2 * block_bytes)
     try:
