@@ -202,20 +202,26 @@ def _full_attention(model, ids):
         model.config.sliding_window = 5
 
 
+def decode_against_full(target, length: int, prompt: int, step: int = 1) -> TitansCache:
+    """Open the memory, prefill `prompt` of 2 rows of `length` ids, decode the rest `step` tokens at a time
+    with the cache; checks the logits against one forward without a cache; returns the cache."""
+    open_memory(target)
+    ids = torch.randint(0, 300, (2, length))
+    with torch.no_grad():
+        full = target(input_ids=ids, use_cache=False).logits
+        out = target(input_ids=ids[:, :prompt], use_cache=True)
+        cache, steps = out.cache, [out.logits]
+        for t in range(prompt, length, step):
+            steps.append(target(input_ids=ids[:, t:t + step], cache=cache, use_cache=True).logits)
+    assert isinstance(cache, TitansCache)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    return cache
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decoding_token_by_token_equals_the_full_forward(family):
     _, target = titans_model(family, window=6, chunk=4)
-    open_memory(target)
-    ids = torch.randint(0, 300, (2, 27))
-    with torch.no_grad():
-        full = target(input_ids=ids, use_cache=False).logits
-        out = target(input_ids=ids[:, :7], use_cache=True)
-        cache, steps = out.cache, [out.logits]
-        for t in range(7, ids.shape[1]):
-            out = target(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
-            steps.append(out.logits)
-    assert isinstance(cache, TitansCache)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    cache = decode_against_full(target, 27, 7)
     assert all(layer.keys.shape[-2] == 5 for layer in cache.layers)  # W - 1 keys kept
 
 
@@ -295,7 +301,7 @@ def test_depth_zero_is_the_window_alone():
 def test_a_closed_gate_without_a_cache_skips_the_memory(monkeypatch):
     """Ramp 0, use_cache=False: the memory is not computed (its output could not be mixed in), and the
     logits equal those of the run that computes it for the cache."""
-    import attnkit.adapters.titans as titans
+    from attnkit.adapters import titans
 
     _, target = titans_model("llama", window=4, chunk=2)
     ids = torch.randint(0, 300, (2, 11))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_titans import generate_left_padded, open_memory, titans_model
+from test_titans import decode_against_full, generate_left_padded, titans_model
 
-from attnkit.adapters.titans import TitansCache, slot_mask
+from attnkit.adapters.titans import slot_mask
 from attnkit.evaluation.kv import cache_bytes, run_for_cache
 
 
@@ -57,17 +57,7 @@ def test_as_many_slots_as_tokens_is_full_attention(family):
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_decoding_token_by_token_equals_the_full_forward(family):
     _, target = titans_model(family, window=5, chunk=3, slots=3)
-    open_memory(target)
-    ids = torch.randint(0, 300, (2, 29))
-    with torch.no_grad():
-        full = target(input_ids=ids, use_cache=False).logits
-        out = target(input_ids=ids[:, :9], use_cache=True)
-        cache, steps = out.cache, [out.logits]
-        for t in range(9, ids.shape[1], 2):  # two tokens per step: slots chosen inside a step too
-            out = target(input_ids=ids[:, t:t + 2], cache=cache, use_cache=True)
-            steps.append(out.logits)
-    assert isinstance(cache, TitansCache)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    cache = decode_against_full(target, 29, 9, step=2)  # two tokens a step: slots chosen inside a step too
     assert all(layer.slots.k.shape[2] == 3 and torch.isfinite(layer.slots.score).all() for layer in cache.layers)
 
 

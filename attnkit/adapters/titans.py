@@ -121,7 +121,7 @@ class MemoryState:
     def tensors(self) -> list[torch.Tensor]:
         return [*self.weights, *self.momentum, *self.pending.values()]
 
-    def map(self, fn) -> "MemoryState":
+    def map(self, fn) -> MemoryState:
         return MemoryState([fn(w) for w in self.weights], [fn(s) for s in self.momentum],
                            {k: fn(t) for k, t in self.pending.items()})
 
@@ -303,7 +303,7 @@ class Slots:
     def tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.pos, self.score]
 
-    def map(self, fn) -> "Slots":
+    def map(self, fn) -> Slots:
         return Slots(*(fn(t) for t in self.tensors()))
 
 
@@ -343,7 +343,7 @@ def next_slots(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch
     score [B, G, N] (the old store and every key of this step)."""
     chosen = slot_mask(pos.new_tensor([end]), pos, score, window, slots)[:, :, 0]  # [B, G, N], N >= S
     idx = chosen.float().topk(slots, dim=-1).indices  # [B, G, S], the chosen first
-    take = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))  # noqa: E731
+    take = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))
     empty = ~chosen.gather(-1, idx)
     return Slots(take(k), take(v), pos.gather(-1, idx), score.gather(-1, idx).masked_fill(empty, float("-inf")))
 
@@ -362,7 +362,7 @@ def key_scores(stored: torch.Tensor | None, k: torch.Tensor, new: int, pending: 
     return scores
 
 
-def _with_slots(titans: "TitansMemory", layer: "TitansCacheLayer | None", k: torch.Tensor, v: torch.Tensor,
+def _with_slots(titans: TitansMemory, layer: TitansCacheLayer | None, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor, heads: int, seq: int, pending: int, surprise: torch.Tensor | None):
     """(k, v with the layer's slots in front, each query's mask over them [B, H, T, S + N] in the kind of
     `mask`, bool or additive); stores the next query's slots and the window's scores in the cache."""
@@ -386,7 +386,7 @@ def _with_slots(titans: "TitansMemory", layer: "TitansCacheLayer | None", k: tor
     return k_all, v_all, torch.zeros_like(allowed, dtype=mask.dtype).masked_fill(~allowed, torch.finfo(mask.dtype).min)
 
 
-def titans_attention(attn: nn.Module, titans: "TitansMemory", layer: "TitansCacheLayer | None", attention,
+def titans_attention(attn: nn.Module, titans: TitansMemory, layer: TitansCacheLayer | None, attention,
                      q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
                      mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A Titans layer's attention: the memory reads and writes x first (its surprise chooses the slots),
