@@ -337,11 +337,10 @@ def slot_mask(q_pos: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, windo
     return gone & (rank < slots) & torch.isfinite(score).unsqueeze(-2)
 
 
-def next_slots(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, end: int, window: int,
+def next_slots(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, score: torch.Tensor, chosen: torch.Tensor,
                slots: int) -> Slots:
-    """The store the next query (position `end`) reads: its slots among candidates k [B, G, N, d_k], v, pos,
-    score [B, G, N] (the old store and every key of this step)."""
-    chosen = slot_mask(pos.new_tensor([end]), pos, score, window, slots)[:, :, 0]  # [B, G, N], N >= S
+    """The store the next query reads: its slots `chosen` [B, G, N] (its row of `slot_mask`, N >= S) among
+    candidates k [B, G, N, d_k], v, pos, score [B, G, N] (the old store and every key of this step)."""
     idx = chosen.float().topk(slots, dim=-1).indices  # [B, G, S], the chosen first
     take = lambda t: t.gather(2, idx[..., None].expand(*idx.shape, t.shape[-1]))
     empty = ~chosen.gather(-1, idx)
@@ -375,10 +374,13 @@ def _with_slots(titans: TitansMemory, layer: TitansCacheLayer | None, k: torch.T
     score = torch.cat([store.score, scores], dim=-1)
     allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # [B or 1, 1, T, N]
     allowed = torch.cat([allowed.new_zeros(B, G, seq, store.pos.shape[-1]), allowed.expand(B, G, seq, N)], dim=-1)
-    allowed = allowed | slot_mask(torch.arange(end - seq, end, device=k.device), pos, score, titans.window, titans.slots)
+    # one more query row with a cache: the next token's slots, what the cache keeps (one ranking for both)
+    queries = torch.arange(end - seq, end + (layer is not None), device=k.device)
+    kept = slot_mask(queries, pos, score, titans.window, titans.slots)  # [B, G, T (+1), S + N]
+    allowed = allowed | kept[:, :, :seq]
     k_all, v_all = torch.cat([store.k, k], dim=2), torch.cat([store.v, v], dim=2)
     if layer is not None:
-        layer.slots = next_slots(k_all, v_all, pos, score, end, titans.window, titans.slots)
+        layer.slots = next_slots(k_all, v_all, pos, score, kept[:, :, seq], titans.slots)
         layer.scores = scores[..., N - layer.keys.shape[-2]:]  # aligned with the window the cache keeps
     allowed = allowed.repeat_interleave(heads // G, dim=1)  # [B, H, T, S + N]
     if mask.dtype == torch.bool:
