@@ -9,6 +9,8 @@ Arms (each starts from MODEL and sees the same token rows in the same order):
   dex         `attnkit convert --to dex` (calibrated head selection), then the same LoRA plus the DEX
               modules (`modules_to_save=["dex"]`); λ ramps in through `broadcast_step`
   diff        the same with `--to diff` (`modules_to_save=["diff", "diff_q_proj"]`)
+  mla         `attnkit convert --to mla` (--mla-args), then LoRA on the MLA attention's projections
+  mla+dex     `--to mla+dex` with the same split and heads, then that LoRA plus the DEX modules
 
 Per arm: held-out perplexity (validation split), `attnkit eval` tasks through
 `attnkit.evaluation.score.evaluate_model` when that module exists, normalised attention entropy of
@@ -28,7 +30,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-ARMS = ("base", "continued", "lora", "dex", "diff")
+ARMS = ("base", "continued", "lora", "dex", "diff", "mla", "mla+dex")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# DeepSeek-V3 attention: the query (q_proj, or q_b_proj behind the exact q_a_proj), the latent's down and up
+# projections, the output
+MLA_LORA_TARGETS = ["q_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+SAVED_MODULES = {"dex": ["dex"], "diff": ["diff", "diff_q_proj"], "mla": None, "mla+dex": ["dex"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--heads", default="auto")
     p.add_argument("--heads-fraction", type=float, default=0.5)
+    p.add_argument("--mla-args", default="--kv-lora-rank 28 --rope-dim 48",
+                   help="convert arguments of the mla arms (default: the README's 29.7 %% split of the reference)")
     p.add_argument("--data", default="python", help="text source (attnkit.data spec)")
     p.add_argument("--needles", default=None, metavar="LO,HI,DLO,DHI",
                    help="plant recall needles in the adaptation rows: one every LO-HI tokens, asked DLO-DHI tokens later "
@@ -69,10 +78,10 @@ def load(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
 
 
-def with_lora(model, r: int, modules_to_save: list[str] | None):
+def with_lora(model, r: int, modules_to_save: list[str] | None, targets: list[str] = LORA_TARGETS):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=targets,
                         modules_to_save=modules_to_save, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
@@ -84,7 +93,9 @@ def converted(method: str, source: Path, scratch: Path, args) -> Path:
     out = scratch / method
     if (out / "config.json").is_file():  # converted once per run
         return out
-    extra = ["--heads", args.heads, "--heads-fraction", str(args.heads_fraction)] if method == "dex" else []
+    extra = ["--heads", args.heads, "--heads-fraction", str(args.heads_fraction)] if method.endswith("dex") else []
+    if method.startswith("mla"):
+        extra += args.mla_args.split()
     status = cli(["convert", "--to", method, str(source), "-o", str(out), "--dtype", "fp32", "--calib", args.data,
                   "--calib-tokens", "16384", "--calib-seq-len", str(args.seq_len), "--seed", str(args.seed), *extra])
     if status:
@@ -100,8 +111,8 @@ def prepare(arm: str, source: Path, scratch: Path, args):
     if arm == "lora":
         model = with_lora(load(source), args.lora_r, None)
     else:
-        to_save = ["dex"] if arm == "dex" else ["diff", "diff_q_proj"]
-        model = with_lora(load(converted(arm, source, scratch, args)), args.lora_r, to_save)
+        targets = MLA_LORA_TARGETS if arm.startswith("mla") else LORA_TARGETS
+        model = with_lora(load(converted(arm, source, scratch, args)), args.lora_r, SAVED_MODULES[arm], targets)
     return model, [p for p in model.parameters() if p.requires_grad], args.lora_lr
 
 
