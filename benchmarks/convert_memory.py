@@ -14,7 +14,7 @@ The source checkpoint (sharded bf16 safetensors, tied embeddings, llama3 RoPE sc
 tensor by tensor, never whole. The conversion runs in a child process that reports its own peak
 RSS (VmHWM, `attnkit.evaluation.peak`; getrusage of children would include this process's peak).
 The result (JSON) is printed and written beside --work; `--results FILE` also merges each run into FILE
-(a run replaces the earlier one of the same source and method), which `benchmarks/plot_convert_memory.py`
+(a run replaces the earlier one of the same source and command), which `benchmarks/plot_convert_memory.py`
 draws: wall time and peak RSS against the source's parameters.
 """
 
@@ -183,10 +183,11 @@ def source_params(folder: Path) -> int:
 
 
 def merge_results(path: Path, runs: list[dict]) -> None:
-    """Add `runs` to the results file; a run replaces the earlier one of the same source and method."""
+    """Add `runs` to the results file; a run replaces the earlier one of the same source and command (a
+    method at its defaults and at METHOD_ARGS are two runs)."""
     old = json.loads(path.read_text())["runs"] if path.is_file() else []
-    new = {(r["source"], r["method"]) for r in runs}
-    kept = [r for r in old if (r["source"], r["method"]) not in new]
+    new = {(r["source"], r["command"]) for r in runs}
+    kept = [r for r in old if (r["source"], r["command"]) not in new]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"runs": kept + runs}, indent=2) + "\n")
 

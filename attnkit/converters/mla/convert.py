@@ -335,6 +335,7 @@ def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor
         del kv_b
     ratio, kv_b = best
     z = torch.cat(sample)
+    sample.clear()  # the pieces would double z's bytes through the mix's fit
     z[:, -1] *= ratio
     with heap_reuse(z.shape[0] * min(z.shape[1], MIX_CHANNELS) * 4):  # hundreds of [N, k] fp32 temporaries
         mix = steady_mix(z)
