@@ -68,9 +68,12 @@ def test_memory_starts_from_the_layers_projections(tmp_path, capsys, calib, llam
 def test_fresh_process_loads_with_remote_code_only(tmp_path, calib, llama_src):
     """With sparse slots too: a 30-token forward at W = 16 reads them, in a venv-like process without attnkit."""
     out = tmp_path / "out"
-    assert convert_cli("titans", llama_src, out, calib, "--window", "16", "--chunk", "4", "--sparse-slots", "3") == 0
+    assert convert_cli("titans", llama_src, out, calib, "--window", "16", "--chunk", "4", "--sparse-slots", "3",
+                       "--slot-bias", "-0.5", "--memory-gate", "shut") == 0
     config = json.loads((out / "config.json").read_text())
-    assert (out / "titans.py").is_file() and "auto_map" in config and config["attnkit"]["sparse_slots"] == 3
+    assert (out / "titans.py").is_file() and "auto_map" in config
+    assert {k: config["attnkit"][k] for k in ("sparse_slots", "slot_bias", "memory_mix")} == \
+        {"sparse_slots": 3, "slot_bias": -0.5, "memory_mix": False}
     ids = torch.randint(0, 300, (1, 30))
     (fresh,) = fresh_process_logits([out], ids, tmp_path)
     with torch.no_grad():
@@ -94,6 +97,8 @@ def test_fresh_process_loads_with_remote_code_only(tmp_path, calib, llama_src):
     (["--variant", "mal"], "not implemented"),
     (["--sparse-slots", "-1"], "--sparse-slots"),
     (["--memory-depth", "0", "--sparse-slots", "4"], "needs a memory"),
+    (["--sparse-slots", "4", "--slot-bias", "nan"], "--slot-bias"),
+    (["--memory-gate", "shut"], "--memory-gate shut needs --sparse-slots"),
 ])
 def test_bad_settings_are_one_line_and_nothing_is_written(tmp_path, capsys, calib, llama_src, flags, words):
     before = tree_digest(llama_src)

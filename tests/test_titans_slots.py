@@ -81,3 +81,45 @@ def test_state_stops_growing_at_the_window_with_slots():
     slots = layers * kv_heads * 5 * (2 * head_dim * 4 + 8 + 4)  # keys, values (fp32), position (int64), surprise
     scores = layers * kv_heads * 7 * 4  # the window's W - 1 surprises
     assert sizes[64] == sum(cache_bytes(run_for_cache(plain, 1, 64))) + slots + scores
+
+
+def _titans_modules(model):
+    return [m for m in model.modules() if type(m).__name__ == "TitansMemory"]
+
+
+def test_a_slot_bias_shifts_only_the_slots():
+    """`slot_bias` b adds b to a slot's attention logit: 0 is the slots as chosen, a very negative b the
+    window alone (the window's keys are never shifted), and decoding still equals the full forward."""
+    ids = torch.randint(0, 300, (2, 21))
+    _, plain = titans_model("llama", window=6, chunk=2)
+    _, slotted = titans_model("llama", window=6, chunk=2, slots=4)
+    with torch.no_grad():
+        unbiased = slotted(input_ids=ids).logits
+        for module in _titans_modules(slotted):
+            module.slot_bias = -1e4
+        torch.testing.assert_close(slotted(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        for module in _titans_modules(slotted):
+            module.slot_bias = -1.5
+        biased = slotted(input_ids=ids).logits
+    assert not torch.allclose(biased, unbiased, atol=1e-4)
+    assert not torch.allclose(biased, plain(input_ids=ids).logits, atol=1e-4)
+    _, target = titans_model("qwen2", window=5, chunk=3, slots=3, impl="sdpa")
+    for module in _titans_modules(target):
+        module.slot_bias = -1.5
+    decode_against_full(target, 23, 7, step=2)
+
+
+def test_a_shut_gate_stays_shut_through_the_schedule():
+    """`memory_mix: false`: the fine-tune's schedule leaves the ramp at 0, so the memory only chooses slots."""
+    from attnkit.training.schedules import broadcast_step
+
+    _, target = titans_model("llama", window=6, chunk=2, slots=4)
+    ids = torch.randint(0, 300, (2, 21))
+    with torch.no_grad():
+        before = target(input_ids=ids).logits
+    for module in _titans_modules(target):
+        module.mix_memory = False
+    broadcast_step(target, 40, 40)
+    assert all(float(m.ramp) == 0.0 for m in _titans_modules(target))
+    with torch.no_grad():
+        assert torch.equal(target(input_ids=ids).logits, before)

@@ -208,7 +208,8 @@ def install_attention(attn: nn.Module, config, family_name: str) -> None:
         attn.dex = DexHeadMix(heads, head_dim, spec["selected_heads"][layer], layer, anneal)
     elif module == "titans":
         attn.titans = TitansMemory(config.hidden_size, heads, head_dim, spec["memory_dim"], spec["memory_depth"],
-                                   spec["window"], spec["chunk"], layer, anneal, int(spec.get("sparse_slots", 0)))
+                                   spec["window"], spec["chunk"], layer, anneal, int(spec.get("sparse_slots", 0)),
+                                   float(spec.get("slot_bias", 0.0)), bool(spec.get("memory_mix", True)))
     else:  # diff
         attn.diff_q_proj = nn.Linear(config.hidden_size, heads * family.query_dim(config), bias=False)
         nn.init.zeros_(attn.diff_q_proj.weight)  # A2 starts as the uniform causal average

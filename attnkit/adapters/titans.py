@@ -201,10 +201,13 @@ class TitansMemory(nn.Module):
     """One layer's long-term memory and its Memory-as-Gate mix with the windowed attention output."""
 
     def __init__(self, hidden: int, heads: int, value_dim: int, memory_dim: int, depth: int, window: int,
-                 chunk: int, layer_idx: int, anneal_fraction: float = 0.25, slots: int = 0):
+                 chunk: int, layer_idx: int, anneal_fraction: float = 0.25, slots: int = 0, slot_bias: float = 0.0,
+                 mix: bool = True):
         super().__init__()
         self.heads, self.memory_dim, self.window, self.chunk = heads, memory_dim, window, chunk
         self.slots = slots  # per KV head: exact keys/values of the most surprising tokens the window lost
+        self.slot_bias = slot_bias  # added to the slots' attention logits
+        self.mix_memory = mix  # False: the gate stays shut, the memory only chooses the slots
         self.register_buffer("ramp", torch.zeros(1))
         self.register_buffer("anneal_fraction", torch.tensor([float(anneal_fraction)]))
         self.initial = nn.ParameterList()
@@ -230,7 +233,8 @@ class TitansMemory(nn.Module):
         self.out = nn.Parameter(eye.expand(heads, -1, -1).clone())  # memory -> head value space [H, M, d_v]
 
     def attnkit_set_step(self, step: int, total_steps: int) -> None:
-        self.ramp.fill_(anneal_ramp(step, total_steps, float(self.anneal_fraction)))
+        if self.mix_memory:
+            self.ramp.fill_(anneal_ramp(step, total_steps, float(self.anneal_fraction)))
 
     def initial_state(self, batch: int) -> MemoryState:
         weights = [w.float().unsqueeze(0).expand(batch, -1, -1, -1) for w in self.initial]
@@ -364,7 +368,8 @@ def key_scores(stored: torch.Tensor | None, k: torch.Tensor, new: int, pending: 
 def _with_slots(titans: TitansMemory, layer: TitansCacheLayer | None, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor, heads: int, seq: int, pending: int, surprise: torch.Tensor | None):
     """(k, v with the layer's slots in front, each query's mask over them [B, H, T, S + N] in the kind of
-    `mask`, bool or additive); stores the next query's slots and the window's scores in the cache."""
+    `mask`, bool or additive; additive whenever `slot_bias` shifts the slots' logits); stores the next
+    query's slots and the window's scores in the cache."""
     B, G, N = k.shape[:3]
     end = layer.cumulative_length if layer is not None else seq  # tokens seen, this step's included
     scores = key_scores(layer.scores if layer is not None else None, k, seq, pending,
@@ -383,9 +388,13 @@ def _with_slots(titans: TitansMemory, layer: TitansCacheLayer | None, k: torch.T
         layer.slots = next_slots(k_all, v_all, pos, score, kept[:, :, seq], titans.slots)
         layer.scores = scores[..., N - layer.keys.shape[-2]:]  # aligned with the window the cache keeps
     allowed = allowed.repeat_interleave(heads // G, dim=1)  # [B, H, T, S + N]
-    if mask.dtype == torch.bool:
+    if mask.dtype == torch.bool and not titans.slot_bias:
         return k_all, v_all, allowed
-    return k_all, v_all, torch.zeros_like(allowed, dtype=mask.dtype).masked_fill(~allowed, torch.finfo(mask.dtype).min)
+    dtype = mask.dtype if mask.dtype != torch.bool else k.dtype
+    additive = torch.zeros_like(allowed, dtype=dtype)
+    if titans.slot_bias:  # a slot's logit shifted: the window's keys against a few kept from far away
+        additive = additive + titans.slot_bias * kept[:, :, :seq].repeat_interleave(heads // G, dim=1).to(dtype)
+    return k_all, v_all, additive.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def titans_attention(attn: nn.Module, titans: TitansMemory, layer: TitansCacheLayer | None, attention,

@@ -19,5 +19,11 @@ class TitansConfig:
     sparse_slots: int = option(0, "per layer and KV head, the exact keys/values of the S most surprising tokens "
                                "(the memory's loss) that left the window, read by the attention beside it "
                                "(default 0: the window alone)", metavar="S")
+    slot_bias: float = option(-1.0, "added to each sparse slot's attention logit (default -1: at 64 slots the "
+                              "recipes/reference-recall.yaml model's attnkit-ppl 43.03 against 43.36 at 0, recall "
+                              "0.943 against 0.950; docs/titans.md)", metavar="B")
+    memory_gate: str = option("open", "open: fine-tuning opens the Memory-as-Gate mix as it anneals; shut: it stays "
+                              "shut and the memory only chooses the sparse slots (needs --sparse-slots)",
+                              choices=("open", "shut"))
     variant: str = option("mag", "how memory and attention combine: mag = Memory as Gate (mal, Memory as a Layer: not "
                           "implemented, refused)", choices=("mag", "mal"))

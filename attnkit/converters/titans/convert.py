@@ -47,7 +47,8 @@ def _settings(args: argparse.Namespace, config: dict) -> dict:
         raise AttnkitError(f"--variant {args.variant} (memory as a layer) is not implemented yet; --variant mag "
                            f"(memory as a gate) is")
     return check_settings(args.window, args.chunk, args.memory_depth, args.memory_dim, config,
-                          getattr(args, "sparse_slots", 0))
+                          getattr(args, "sparse_slots", 0), getattr(args, "slot_bias", -1.0),
+                          getattr(args, "memory_gate", "open"))
 
 
 def _from_source(family_name: str, memory_dim: int, memory_depth: int, source_config: dict) -> bool:
@@ -70,6 +71,8 @@ def _report_extras(config, model_class: type) -> dict:
     spec = config.attnkit
     return {"titans": {**{k: spec[k] for k in ("window", "chunk", "memory_depth", "memory_dim", "variant")},
                        "sparse_slots": int(spec.get("sparse_slots", 0)),
+                       **({"slot_bias": float(spec.get("slot_bias", 0.0)),
+                           "memory_gate": "open" if spec.get("memory_mix", True) else "shut"} if spec.get("sparse_slots") else {}),
                        "memory_qkv_init": ("none: the window alone" if not spec["memory_depth"] else
                                            "the layer's q/k/v (KV heads repeated)" if _from_source(spec["base_model_type"], spec["memory_dim"],
                                                                                    spec["memory_depth"], config.to_dict())

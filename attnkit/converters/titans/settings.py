@@ -11,6 +11,8 @@ baseline a Titans model is measured against, healed the same way.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attnkit.errors import AttnkitError
@@ -26,7 +28,8 @@ def head_sizes(config: dict) -> tuple[int, int]:
     return heads, int(value)
 
 
-def check_settings(window: int, chunk: int, depth: int, memory_dim: int | None, config: dict, slots: int = 0) -> dict:
+def check_settings(window: int, chunk: int, depth: int, memory_dim: int | None, config: dict, slots: int = 0,
+                   slot_bias: float = -1.0, gate: str = "open") -> dict:
     """The validated settings (memory_dim defaulting to the value head size), or AttnkitError."""
     context = int(config.get("max_position_embeddings") or 0)
     if window < 1 or (context and window > context):
@@ -44,7 +47,13 @@ def check_settings(window: int, chunk: int, depth: int, memory_dim: int | None, 
     if slots < 0 or (slots and not depth):
         raise AttnkitError(f"--sparse-slots must be 0 or more, and needs a memory (--memory-depth >= 1): its "
                            f"surprise chooses the tokens kept; got {slots} with depth {depth}")
-    return {"window": window, "chunk": chunk, "memory_depth": depth, "memory_dim": dim, "sparse_slots": slots}
+    if not math.isfinite(slot_bias):
+        raise AttnkitError(f"--slot-bias must be a finite number (a shift of the slots' attention logits), got {slot_bias}")
+    if gate == "shut" and not slots:
+        raise AttnkitError("--memory-gate shut needs --sparse-slots S >= 1: with the gate shut the memory only chooses "
+                           "the slots, and with none it is the window alone (--memory-depth 0)")
+    return {"window": window, "chunk": chunk, "memory_depth": depth, "memory_dim": dim, "sparse_slots": slots,
+            "slot_bias": float(slot_bias), "memory_mix": gate == "open"}
 
 
 def titans_config_fields(settings: dict, anneal_fraction: float, base_model_type: str, method: str = "titans") -> dict:
