@@ -4,8 +4,9 @@
 
 `attnkit eval` gives each model's accuracy with its own interval; when two models answer the same 300
 items those intervals overlap long before the difference is in doubt. This scores every item of the
-bundled recall task (`attnkit/evaluation/tasks/data/<task>.jsonl`) with both models the way lm-eval's
-`multiple_choice` does (the choice with the highest summed log-likelihood of its tokens after the
+bundled recall task (`attnkit/evaluation/tasks/data/<task>.jsonl`) with both models through lm-eval, as
+`attnkit eval` does (`--scorer lm-eval`, the default: one forward per item; or `--scorer plain`, one forward
+per choice without lm-eval: the choice with the highest summed log-likelihood of its tokens after the
 context; the continuation's tokens are those of context + choice past the context's own), then reports
 each accuracy (95 % Wilson), the paired difference B − A with a 95 % interval (percentile bootstrap over
 items, 10,000 resamples, seeded) and McNemar's exact two-sided p on the discordant items.
@@ -49,6 +50,16 @@ def correct(model_spec: str, items: list[dict]) -> list[bool]:
     return out
 
 
+def correct_lm_eval(model_spec: str, task: str) -> list[bool]:
+    """Per item, in the data file's order, whether lm-eval's `acc` (the scoring `attnkit eval` reports,
+    one forward per item through the shared-prefix model) picks the gold choice."""
+    from attnkit.evaluation.load import load_model
+    from attnkit.evaluation.robustness import task_correct
+
+    model, tokenizer, _ = load_model(model_spec)
+    return [bool(x) for x in task_correct(model, tokenizer, [f"attnkit-{task}"])[f"attnkit-{task}"]]
+
+
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     p = k / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
@@ -74,10 +85,16 @@ def main() -> None:
     ap.add_argument("model_a")
     ap.add_argument("model_b")
     ap.add_argument("--task", default="recall-far", help="a file under attnkit/evaluation/tasks/data, no suffix")
+    ap.add_argument("--scorer", choices=["lm-eval", "plain"], default="lm-eval",
+                    help="lm-eval: the task through lm-eval as `attnkit eval` scores it (one forward per item); "
+                         "plain: one forward per choice, no lm-eval (recall_distance.py's scoring)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     items = [json.loads(line) for line in (DATA / f"{args.task}.jsonl").read_text().splitlines()]
-    a, b = correct(args.model_a, items), correct(args.model_b, items)
+    if args.scorer == "lm-eval":
+        a, b = correct_lm_eval(args.model_a, args.task), correct_lm_eval(args.model_b, args.task)
+    else:
+        a, b = correct(args.model_a, items), correct(args.model_b, items)
     result = {"task": args.task, "n": len(items), "models": {}}
     for name, got in ((args.model_a, a), (args.model_b, b)):
         result["models"][name] = {"acc": sum(got) / len(got), "wilson95": list(wilson(sum(got), len(got)))}

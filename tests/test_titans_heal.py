@@ -42,6 +42,36 @@ def test_heal_titans_trains_the_memory_and_opens_the_gate(tiny, tmp_path, recipe
     assert all(float(before[k]) == 0.0 for k in before if k.endswith("titans.ramp"))
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     assert all(float(m.ramp) == 1.0 for m in model.modules() if hasattr(m, "mix"))
+    assert_decodes_like_full_forward(model)
+
+
+def test_heal_slots_with_the_gate_shut_trains_only_the_attention(tiny, tmp_path):  # noqa: F811
+    """recipes/lora-titans-slots.yaml on a `--sparse-slots --memory-gate shut` conversion: the merged q/k/v/o
+    change, no memory weight does, the ramp stays 0 (the memory only chooses the slots), and the result
+    decodes like its full forward with its remote code."""
+    converted, out = tmp_path / "titans", tmp_path / "out"
+    assert cli_main(["convert", "--to", "titans", str(tiny["llama"]), "-o", str(converted), "--window", "8",
+                     "--chunk", "4", "--sparse-slots", "3", "--memory-gate", "shut", "--calib", str(tiny["corpus"]),
+                     "--calib-seq-len", "16", "--calib-tokens", "256"]) == 0
+    overrides = [
+        f"model={converted}", f"output_dir={out}", f"data.source={tiny['corpus']}", "data.seq_len=24",
+        "data.tokens=768", "data.val_tokens=96", "train.per_device_batch_size=4", "eval.tasks=null",
+        "checkpoint.every=0", "log.tensorboard=false", "train.lr=1e-2", "data.needles.spacing=[4,8]",
+        "data.needles.distance=[10,14]",
+    ]
+    run(load_finetune_recipe(RECIPES / "lora-titans-slots.yaml", overrides))
+    before, after = load_file(str(converted / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    changed = {k for k in after if not torch.equal(before[k], after[k])}
+    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") and ".titans." not in k
+                           for k in changed), changed
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert model.config.attnkit["memory_mix"] is False and model.config.attnkit["sparse_slots"] == 3
+    assert all(float(m.ramp) == 0.0 for m in model.modules() if hasattr(m, "mix"))
+    assert_decodes_like_full_forward(model)
+
+
+def assert_decodes_like_full_forward(model) -> None:
+    """Prefill 5 tokens, decode 16 one at a time with the cache: the logits of one forward without it."""
     ids = torch.randint(0, model.config.vocab_size, (2, 21))
     with torch.no_grad():
         full = model(input_ids=ids, use_cache=False).logits
