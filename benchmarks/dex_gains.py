@@ -5,6 +5,9 @@ models, each arm against a baseline arm, as paired differences with 95 % interva
     python benchmarks/dex_gains.py --train-from out/reference-recall --arms lora,dex,diff --seeds 0 \\
         --tokens 24576 --seq-len 1024 --batch 1 --needles 60,120,140,400 --work out/dex-gains \\
         --baseline lora --out benchmarks/results/dex_gains.json
+    # MLA + DEX against MLA (dex_adapt's mla arms: --mla-args there, the README's split by default)
+    python benchmarks/dex_gains.py --train-from attnkit/assets/reference --arms mla,mla+dex --seeds 0,1,2 \
+        --baseline mla --out benchmarks/results/dex_gains_mla.json
     # or measure model folders you already have (one --arm per arm, seeds as a comma list)
     python benchmarks/dex_gains.py --arm lora=A0,A1 --arm dex=B0,B1 --baseline lora --out RESULT.json
 
