@@ -106,6 +106,7 @@ def summary(report: dict) -> tuple[str | None, list[str]]:
 
     t = report["titans"]
     state = ", ".join(f"{b:,} B at {n}" for n, b in zip(t["state_bytes"]["contexts"], t["state_bytes"]["bytes"]))
-    slots = f", {t['sparse_slots']} sparse slots per KV head" if t.get("sparse_slots") else ""
+    slots = (f", {t['sparse_slots']} sparse slots per KV head (logits {t.get('slot_bias', 0.0):+g}, gate "
+             f"{t.get('memory_gate', 'open')})" if t.get("sparse_slots") else "")
     return bounded_state_note(t), [f"Titans: window {t['window']}, chunk {t['chunk']}, memory depth {t['memory_depth']} "
                                    f"x dim {t['memory_dim']}{slots}; whole cache after a forward pass (fp32): {state} tokens"]
