@@ -387,14 +387,12 @@ def _with_slots(titans: TitansMemory, layer: TitansCacheLayer | None, k: torch.T
     if layer is not None:
         layer.slots = next_slots(k_all, v_all, pos, score, kept[:, :, seq], titans.slots)
         layer.scores = scores[..., N - layer.keys.shape[-2]:]  # aligned with the window the cache keeps
-    allowed = allowed.repeat_interleave(heads // G, dim=1)  # [B, H, T, S + N]
     if mask.dtype == torch.bool and not titans.slot_bias:
-        return k_all, v_all, allowed
+        return k_all, v_all, allowed.repeat_interleave(heads // G, dim=1)  # [B, H, T, S + N]
     dtype = mask.dtype if mask.dtype != torch.bool else k.dtype
-    additive = torch.zeros_like(allowed, dtype=dtype)
-    if titans.slot_bias:  # a slot's logit shifted: the window's keys against a few kept from far away
-        additive = additive + titans.slot_bias * kept[:, :, :seq].repeat_interleave(heads // G, dim=1).to(dtype)
-    return k_all, v_all, additive.masked_fill(~allowed, torch.finfo(dtype).min)
+    # a slot's logit shifted by slot_bias (0 on the window's keys), then the keys a query may not see
+    additive = (titans.slot_bias * kept[:, :, :seq].to(dtype)).masked_fill(~allowed, torch.finfo(dtype).min)
+    return k_all, v_all, additive.repeat_interleave(heads // G, dim=1)  # [B, H, T, S + N]
 
 
 def titans_attention(attn: nn.Module, titans: TitansMemory, layer: TitansCacheLayer | None, attention,
