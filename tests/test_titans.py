@@ -202,10 +202,11 @@ def _full_attention(model, ids):
         model.config.sliding_window = 5
 
 
-def decode_against_full(target, length: int, prompt: int, step: int = 1) -> TitansCache:
-    """Open the memory, prefill `prompt` of 2 rows of `length` ids, decode the rest `step` tokens at a time
-    with the cache; checks the logits against one forward without a cache; returns the cache."""
-    open_memory(target)
+def decode_against_full(target, length: int, prompt: int, step: int = 1, opened: bool = True) -> TitansCache:
+    """Open the memory (unless not `opened`), prefill `prompt` of 2 rows of `length` ids, decode the rest `step`
+    tokens at a time with the cache; checks the logits against one forward without a cache; returns the cache."""
+    if opened:
+        open_memory(target)
     ids = torch.randint(0, 300, (2, length))
     with torch.no_grad():
         full = target(input_ids=ids, use_cache=False).logits

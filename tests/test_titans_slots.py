@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_titans import decode_against_full, generate_left_padded, titans_model
 
-from attnkit.adapters.titans import slot_mask
+from attnkit.adapters.titans import Slots, admit, slot_mask
 from attnkit.evaluation.kv import cache_bytes, run_for_cache
 
 
@@ -32,6 +32,24 @@ def test_slot_mask_keeps_the_most_surprising_tokens_gone_from_the_window(n, wind
     got = slot_mask(torch.tensor(q_pos), torch.tensor(pos)[None, None], torch.tensor(score)[None, None], window, slots)
     for i, q in enumerate(q_pos):
         assert set(torch.nonzero(got[0, 0, i]).flatten().tolist()) == _slots_by_hand(pos, score, q, window, slots)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 16), window=st.integers(1, 4), slots=st.integers(1, 5), data=st.data())
+def test_admitting_tokens_as_they_leave_the_window_keeps_what_slot_mask_keeps(n, window, slots, data):
+    """Decoding's store, updated one token at a time, holds after token t exactly the slots of the query
+    that token t has just left (position t + W), as ranked at once by `slot_mask`."""
+    values = st.sampled_from([0.0, 0.5, 1.0, 2.0, float("nan"), float("-inf")])
+    score = data.draw(st.lists(values, min_size=n, max_size=n))
+    store = Slots(torch.zeros(1, 1, slots, 2), torch.zeros(1, 1, slots, 3), torch.full((1, 1, slots), -1),
+                  torch.full((1, 1, slots), float("-inf")))
+    for t in range(n):
+        key = torch.full((1, 1, 2), float(t))
+        store = admit(store, key, torch.full((1, 1, 3), float(t)), t, torch.tensor([[score[t]]]))
+        held = torch.isfinite(store.score[0, 0])
+        assert set(store.pos[0, 0][held].tolist()) == _slots_by_hand(list(range(n)), score, t + window, window, slots)
+        assert torch.equal(store.k[0, 0, held, 0], store.pos[0, 0][held].float())  # each key beside its position
+        assert torch.equal(store.v[0, 0, held, 0], store.pos[0, 0][held].float())
 
 
 def test_no_slots_and_slots_that_never_fill_are_the_window_alone():
@@ -55,9 +73,11 @@ def test_as_many_slots_as_tokens_is_full_attention(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_decoding_token_by_token_equals_the_full_forward(family):
+@pytest.mark.parametrize("step", [1, 2])
+def test_decoding_token_by_token_equals_the_full_forward(family, step):
+    """One token a step takes the decoding path (`admit`); two a step rank inside the step (`slot_mask`)."""
     _, target = titans_model(family, window=5, chunk=3, slots=3)
-    cache = decode_against_full(target, 29, 9, step=2)  # two tokens a step: slots chosen inside a step too
+    cache = decode_against_full(target, 29, 9, step=step)
     assert all(layer.slots.k.shape[2] == 3 and torch.isfinite(layer.slots.score).all() for layer in cache.layers)
 
 
@@ -107,6 +127,25 @@ def test_a_slot_bias_shifts_only_the_slots():
     for module in _titans_modules(target):
         module.slot_bias = -1.5
     decode_against_full(target, 23, 7, step=2)
+
+
+def test_a_shut_gate_reads_nothing_and_decodes_like_the_full_forward():
+    """Ramp 0 at inference: the memory only writes (the slots' surprise), its queries are never computed,
+    and the logits equal those of a run that reads it (grad enabled reads, then gates the reads out)."""
+    _, target = titans_model("qwen2", window=5, chunk=3, slots=3, impl="sdpa")
+    for module in _titans_modules(target):
+        module.slot_bias, module.mix_memory = -1.0, False
+    ids = torch.randint(0, 300, (2, 19))
+    calls = []
+    for module in _titans_modules(target):
+        module.q_proj.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        skipped = target(input_ids=ids).logits
+    assert not calls
+    with torch.enable_grad():
+        read = target(input_ids=ids).logits.detach()
+    assert calls and torch.equal(skipped, read)
+    decode_against_full(target, 31, 6, step=1, opened=False)
 
 
 def test_a_shut_gate_stays_shut_through_the_schedule():

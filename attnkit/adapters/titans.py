@@ -137,10 +137,11 @@ def update_chunk(state: MemoryState, chunk: dict[str, torch.Tensor],
     return MemoryState(weights, momentum), loss.masked_fill(chunk["theta"] == 0, float("-inf"))
 
 
-def memory_read_write(state: MemoryState, queries: torch.Tensor, tokens: dict[str, torch.Tensor],
-                      chunk: int) -> tuple[torch.Tensor, MemoryState, torch.Tensor]:
+def memory_read_write(state: MemoryState, queries: torch.Tensor | None, tokens: dict[str, torch.Tensor],
+                      chunk: int) -> tuple[torch.Tensor | None, MemoryState, torch.Tensor]:
     """Read `queries` [B, H, T, M] and write `tokens` (PENDING fields, [B, H, T, ...]) chunk by chunk;
     also returns the surprise [B, H, n] of the n tokens written, in order from the first pending one.
+    `queries` None: write only (nothing would use the reads), the reads returned are None.
 
     Chunk boundaries count from the first token the state ever saw, so reading a sequence in pieces
     (decoding) gives what reading it at once gives. Each query reads the weights at its chunk's start.
@@ -148,23 +149,26 @@ def memory_read_write(state: MemoryState, queries: torch.Tensor, tokens: dict[st
     the previous one left); the coefficients of every chunk and all the reads are batched."""
     todo = {k: torch.cat([state.pending[k], t], dim=2) if state.pending else t for k, t in tokens.items()}
     total = todo["k"].shape[2]
-    offset = total - queries.shape[2]  # pending tokens before the first query
+    offset = total - tokens["k"].shape[2]  # pending tokens before the first new one
     full = total // chunk  # complete chunks, written now; the rest waits
-    chunks = {k: t[:, :, :full * chunk].unflatten(2, (full, chunk)) for k, t in todo.items()}  # [B, H, n, C, ...]
-    co = chunk_coefficients(chunks["log_keep"], chunks["log_eta"], chunks["theta"])  # each [B, H, n(, C)]
     starts, surprise = [state.weights], []  # the weights each chunk reads
-    for c in range(full):
-        state, loss = update_chunk(state, {k: t[:, :, c] for k, t in chunks.items()}, {k: t[:, :, c] for k, t in co.items()})
-        starts.append(state.weights)
-        surprise.append(loss)
+    if full:
+        chunks = {k: t[:, :, :full * chunk].unflatten(2, (full, chunk)) for k, t in todo.items()}  # [B, H, n, C, ...]
+        co = chunk_coefficients(chunks["log_keep"], chunks["log_eta"], chunks["theta"])  # each [B, H, n(, C)]
+        for c in range(full):
+            state, loss = update_chunk(state, {k: t[:, :, c] for k, t in chunks.items()}, {k: t[:, :, c] for k, t in co.items()})
+            starts.append(state.weights)
+            surprise.append(loss)
     state = MemoryState(state.weights, state.momentum,
                         {k: t[:, :, full * chunk:] for k, t in todo.items()} if total > full * chunk else {})
+    written = torch.cat(surprise, dim=2) if surprise else todo["k"].new_zeros(*todo["k"].shape[:2], 0)
+    if queries is None:
+        return None, state, written
     first, last = offset // chunk, (total - 1) // chunk  # the chunks the queries fall in
     weights = [torch.stack([s[i] for s in starts[first:last + 1]], dim=2) for i in range(len(state.weights))]
     lead = offset - first * chunk  # query slots before the first query in its chunk
     padded = F.pad(queries, (0, 0, lead, (last + 1) * chunk - total))  # [B, H, (n_read)·C, M]
     reads = memory_apply(weights, padded.unflatten(2, (last + 1 - first, chunk)))[0]  # [B, H, n_read, C, M]
-    written = torch.cat(surprise, dim=2) if surprise else queries.new_zeros(*queries.shape[:2], 0)
     return reads.flatten(2, 3)[:, :, lead:lead + queries.shape[2]], state, written
 
 
@@ -261,15 +265,16 @@ class TitansMemory(nn.Module):
         [B, H, n] of the n tokens written, from the first that was pending).
 
         With the ramp at 0 the output is the attention's whatever the memory holds, so at inference (no
-        grad) with no state kept (`keep` False: no cache) and no slots to choose, the memory is not
-        computed at all: (None, None, None). In training it is: a first step at ramp 0 that trains only
-        the memory needs the (zero) gradient path."""
-        skip = not keep and not bool(self.ramp) and not torch.is_grad_enabled() and not self.slots
-        if not len(self.initial) or skip:  # depth 0, or nothing to mix, keep, choose or train
+        grad) nothing is read (reads None, and `blend` passes the attention through); with no state
+        kept either (`keep` False: no cache) and no slots to choose, nothing is written: (None, None,
+        None). In training it is all computed: a first step at ramp 0 that trains only the memory needs
+        the (zero) gradient path."""
+        unread = not bool(self.ramp) and not torch.is_grad_enabled()
+        if not len(self.initial) or (unread and not keep and not self.slots):  # depth 0, or nothing to do
             return None, None, None
         if state is None:
             state = self.initial_state(x.shape[0])
-        q = F.normalize(self._heads(self.q_proj, x), dim=-1)
+        q = None if unread else F.normalize(self._heads(self.q_proj, x), dim=-1)
         return memory_read_write(state, q, self.tokens(x, valid), self.chunk)
 
     def blend(self, x: torch.Tensor, attn_out: torch.Tensor, read: torch.Tensor | None) -> torch.Tensor:
@@ -365,20 +370,53 @@ def key_scores(stored: torch.Tensor | None, k: torch.Tensor, new: int, pending: 
     return scores
 
 
+def admit(store: Slots, k: torch.Tensor, v: torch.Tensor, pos: int, score: torch.Tensor) -> Slots:
+    """`store` once the key k [B, G, d_k] (value v [B, G, d_v], position `pos`, surprise `score` [B, G]) has
+    left the window: it takes the place of the lowest-ranked slot (the least surprise; on a tie, the
+    earliest) when it ranks above it. It is later than every slot, so a tie is enough; an unknown or
+    padding surprise (NaN, -inf) is never kept. The same choice as `slot_mask`'s, in O(S)."""
+    low = store.score.min(-1, keepdim=True).values  # [B, G, 1]
+    latest = torch.iinfo(store.pos.dtype).max
+    worst = torch.where(store.score == low, store.pos, latest).argmin(-1, keepdim=True)  # [B, G, 1]
+    take = (torch.isfinite(score) & (score >= low[..., 0])).unsqueeze(-1)  # [B, G, 1]
+    put = lambda t, new: torch.where(take.unsqueeze(-1), t.scatter(2, worst[..., None].expand(*worst.shape, t.shape[-1]), new[:, :, None]), t)
+    return Slots(put(store.k, k), put(store.v, v),
+                 torch.where(take, store.pos.scatter(2, worst, torch.full_like(worst, pos)), store.pos),
+                 torch.where(take, store.score.scatter(2, worst, score[..., None]), store.score))
+
+
+def _slots_attention_mask(titans: TitansMemory, mask: torch.Tensor, kept: torch.Tensor, allowed: torch.Tensor,
+                          heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each query's mask [B, H, T, S + N] over the slots and the window's keys, in the kind of `mask` (bool or
+    additive; additive whenever `slot_bias` shifts the slots' logits), from `kept` (the slot columns it
+    reads) and `allowed` (every column it may see), both [B, G, T, S + N]."""
+    G = kept.shape[1]
+    if mask.dtype == torch.bool and not titans.slot_bias:
+        return allowed.repeat_interleave(heads // G, dim=1)
+    dtype = mask.dtype if mask.dtype != torch.bool else dtype
+    # a slot's logit shifted by slot_bias (0 on the window's keys), then the keys a query may not see
+    additive = (titans.slot_bias * kept.to(dtype)).masked_fill(~allowed, torch.finfo(dtype).min)
+    return additive.repeat_interleave(heads // G, dim=1)
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def _with_slots(titans: TitansMemory, layer: TitansCacheLayer | None, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor, heads: int, seq: int, pending: int, surprise: torch.Tensor | None):
-    """(k, v with the layer's slots in front, each query's mask over them [B, H, T, S + N] in the kind of
-    `mask`, bool or additive; additive whenever `slot_bias` shifts the slots' logits); stores the next
-    query's slots and the window's scores in the cache."""
+    """(k, v with the layer's slots in front, each query's mask over them [B, H, T, S + N]); stores the
+    next query's slots and the window's scores in the cache."""
     B, G, N = k.shape[:3]
+    surprise = None if surprise is None else kv_surprise(surprise, G)
+    if layer is not None and layer.slots is not None and seq == 1 and N <= titans.window:
+        return _decode_slots(titans, layer, k, v, mask, heads, pending, surprise)
     end = layer.cumulative_length if layer is not None else seq  # tokens seen, this step's included
-    scores = key_scores(layer.scores if layer is not None else None, k, seq, pending,
-                        None if surprise is None else kv_surprise(surprise, G))
+    scores = key_scores(layer.scores if layer is not None else None, k, seq, pending, surprise)
     store = layer.slots if layer is not None and layer.slots is not None else empty_slots(k, v, titans.slots * (layer is not None))
     pos = torch.cat([store.pos, torch.arange(end - N, end, device=k.device).expand(B, G, N)], dim=-1)
     score = torch.cat([store.score, scores], dim=-1)
-    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2  # [B or 1, 1, T, N]
-    allowed = torch.cat([allowed.new_zeros(B, G, seq, store.pos.shape[-1]), allowed.expand(B, G, seq, N)], dim=-1)
+    allowed = torch.cat([_allowed(mask).new_zeros(B, G, seq, store.pos.shape[-1]), _allowed(mask).expand(B, G, seq, N)], dim=-1)
     # one more query row with a cache: the next token's slots, what the cache keeps (one ranking for both)
     queries = torch.arange(end - seq, end + (layer is not None), device=k.device)
     kept = slot_mask(queries, pos, score, titans.window, titans.slots)  # [B, G, T (+1), S + N]
@@ -387,12 +425,25 @@ def _with_slots(titans: TitansMemory, layer: TitansCacheLayer | None, k: torch.T
     if layer is not None:
         layer.slots = next_slots(k_all, v_all, pos, score, kept[:, :, seq], titans.slots)
         layer.scores = scores[..., N - layer.keys.shape[-2]:]  # aligned with the window the cache keeps
-    if mask.dtype == torch.bool and not titans.slot_bias:
-        return k_all, v_all, allowed.repeat_interleave(heads // G, dim=1)  # [B, H, T, S + N]
-    dtype = mask.dtype if mask.dtype != torch.bool else k.dtype
-    # a slot's logit shifted by slot_bias (0 on the window's keys), then the keys a query may not see
-    additive = (titans.slot_bias * kept[:, :, :seq].to(dtype)).masked_fill(~allowed, torch.finfo(dtype).min)
-    return k_all, v_all, additive.repeat_interleave(heads // G, dim=1)  # [B, H, T, S + N]
+    return k_all, v_all, _slots_attention_mask(titans, mask, kept[:, :, :seq], allowed, heads, k.dtype)
+
+
+def _decode_slots(titans: TitansMemory, layer: TitansCacheLayer, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor, heads: int, pending: int, surprise: torch.Tensor | None):
+    """`_with_slots` for one new token after the first step (decoding): the query reads the store as it is
+    (chosen for it at the last step: none of the window's N <= W keys has left its window), and at most
+    the window's oldest key leaves the next query's, to be `admit`ted."""
+    B, G, N = k.shape[:3]
+    store = layer.slots
+    scores = key_scores(layer.scores, k, 1, pending, surprise)  # [B, G, N]
+    filled = torch.isfinite(store.score)[:, :, None]  # [B, G, 1, S]
+    kept = torch.cat([filled, filled.new_zeros(B, G, 1, N)], dim=-1)  # [B, G, 1, S + N]
+    allowed = torch.cat([filled, _allowed(mask).expand(B, G, 1, N)], dim=-1)
+    k_all, v_all = torch.cat([store.k, k], dim=2), torch.cat([store.v, v], dim=2)
+    if N == titans.window:  # the next query's window starts one key later
+        layer.slots = admit(store, k[:, :, 0], v[:, :, 0], layer.cumulative_length - N, scores[..., 0])
+    layer.scores = scores[..., N - layer.keys.shape[-2]:]
+    return k_all, v_all, _slots_attention_mask(titans, mask, kept, allowed, heads, k.dtype)
 
 
 def titans_attention(attn: nn.Module, titans: TitansMemory, layer: TitansCacheLayer | None, attention,
