@@ -5,9 +5,10 @@
 `attnkit eval` gives each model's accuracy with its own interval; when two models answer the same 300
 items those intervals overlap long before the difference is in doubt. This scores every item of the
 bundled recall task (`attnkit/evaluation/tasks/data/<task>.jsonl`) with both models through lm-eval, as
-`attnkit eval` does (`--scorer lm-eval`, the default: one forward per item; or `--scorer plain`, one forward
-per choice without lm-eval: the choice with the highest summed log-likelihood of its tokens after the
-context; the continuation's tokens are those of context + choice past the context's own), then reports
+`attnkit eval` does (`--scorer lm-eval`, the default: one forward per item; or `--scorer plain`, without
+lm-eval: the choice with the highest summed log-likelihood of its tokens after the context, the context
+read once with a cache and each choice from a copy of it; the continuation's tokens are those of context +
+choice past the context's own), then reports
 each accuracy (95 % Wilson), the paired difference B − A with a 95 % interval (percentile bootstrap over
 items, 10,000 resamples, seeded) and McNemar's exact two-sided p on the discordant items.
 """
@@ -15,6 +16,7 @@ items, 10,000 resamples, seeded) and McNemar's exact two-sided p on the discorda
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -26,16 +28,29 @@ from tqdm import tqdm
 DATA = Path(__file__).resolve().parents[1] / "attnkit" / "evaluation" / "tasks" / "data"
 
 
-def choice_scores(model, tokenizer, context: str, choices: list[str]) -> list[float]:
-    """Summed log-probability of each choice's tokens after the context (one forward per choice)."""
+def choice_scores(model, tokenizer, context: str, choices: list[str], chunk: int = 512) -> list[float]:
+    """Summed log-probability of each choice's tokens after the context. The tokens every choice shares
+    (the context's, but its last) are read once with a cache, `chunk` tokens at a time as a server
+    prefills; each choice then goes on from a copy of that cache. The same numbers as one forward over
+    context + choice (decoding equals the full forward for every attnkit model), read once, not per choice,
+    and without the T x T mask of a long forward."""
     n_ctx = len(tokenizer(context, add_special_tokens=False)["input_ids"])
-    scores = []
-    for choice in choices:
-        ids = torch.tensor([tokenizer(context + choice, add_special_tokens=False)["input_ids"]])  # [1, T]
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)  # [T - 1, V]
-        target = ids[0, n_ctx:]
-        scores.append(logp[n_ctx - 1 :].gather(-1, target[:, None]).sum().item())
+    seqs = [tokenizer(context + c, add_special_tokens=False)["input_ids"] for c in choices]
+    shared = n_ctx - 1  # re-fed per choice, so its logits (predicting the choice's first token) come with it
+    while shared and any(s[:shared] != seqs[0][:shared] for s in seqs):
+        shared -= 1  # a context + choice tokenised across the boundary: share less
+    cache = None
+    with torch.no_grad():
+        for start in range(0, shared, chunk):
+            ids = torch.tensor([seqs[0][start:min(start + chunk, shared)]])
+            cache = model(input_ids=ids, cache=cache, use_cache=True).cache
+        scores = []
+        for seq in seqs:
+            rest = torch.tensor([seq[shared:]])  # [1, T - shared]
+            logits = model(input_ids=rest, cache=copy.deepcopy(cache), use_cache=True).logits[0, :-1]
+            logp = torch.log_softmax(logits.float(), dim=-1)  # row j predicts token shared + j + 1
+            target = torch.tensor(seq[n_ctx:])
+            scores.append(logp[n_ctx - 1 - shared:].gather(-1, target[:, None]).sum().item())
     return scores
 
 
@@ -87,7 +102,7 @@ def main() -> None:
     ap.add_argument("--task", default="recall-far", help="a file under attnkit/evaluation/tasks/data, no suffix")
     ap.add_argument("--scorer", choices=["lm-eval", "plain"], default="lm-eval",
                     help="lm-eval: the task through lm-eval as `attnkit eval` scores it (one forward per item); "
-                         "plain: one forward per choice, no lm-eval (recall_distance.py's scoring)")
+                         "plain: the context once with a cache, then each choice, no lm-eval (recall_distance.py's scoring)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     items = [json.loads(line) for line in (DATA / f"{args.task}.jsonl").read_text().splitlines()]

@@ -103,3 +103,34 @@ def test_more_pending_needles_than_names_does_not_hang():
     out = planter(document(2500)).splitlines()
     names = [m[1] for line in out if (m := NEEDLE.match(line))]
     assert len(names) == len(set(names)) == len(TRAIN_NAMES) * 90
+
+
+class _CharTokenizer:  # one token per character, ids below the tiny models' vocabulary of 300
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [ord(c) % 300 for c in text]}
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+def test_recall_scores_with_a_shared_cache_equal_one_forward_per_choice(slots):
+    """`choice_scores` reads the context once (in chunks, with a cache) and each choice from a copy of it:
+    the same log-likelihoods as one full forward over context + choice, for the source and for Titans
+    with and without slots (whose cache cannot be cropped, only copied)."""
+    import torch
+    from conftest import load_benchmark
+    from test_titans import open_memory, titans_model
+
+    rp = load_benchmark("recall_paired.py", "bench_recall_paired")
+    source, target = titans_model("llama", window=6, chunk=2, slots=slots)
+    open_memory(target)
+    tok = _CharTokenizer()
+    context, choices = 'k = "abcdef"\n' + "x = f(y)\n" * 3 + 'assert k == "', ["abcdef", "zyxwvu", "a"]
+    for model in (source, target):
+        want = []
+        for choice in choices:
+            ids = torch.tensor([tok(context + choice)["input_ids"]])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, :-1], dim=-1)
+            n = len(context)
+            want.append(logp[n - 1:].gather(-1, ids[0, n:, None]).sum().item())
+        got = rp.choice_scores(model, tok, context, choices, chunk=7)
+        assert got == pytest.approx(want, abs=1e-4)
