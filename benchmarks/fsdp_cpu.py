@@ -222,10 +222,10 @@ def build_wide(work: Path, hidden: int, layers: int) -> tuple[Path, Path]:
     return student, teacher
 
 
-def summarize(runs: dict) -> dict:
+def summarize(runs: dict, baseline: str = "ddp") -> dict:
     """The numbers the docs quote: loss agreement, resume exactness, per-process memory."""
     mb = lambda x: None if x is None else round(x / 2**20, 1)  # noqa: E731  (MiB)
-    out = {"fsdp_vs_ddp_max_loss_diff": max_diff(runs["fsdp"]["losses"], runs["ddp"]["losses"])}
+    out = {f"fsdp_vs_{baseline}_max_loss_diff": max_diff(runs["fsdp"]["losses"], runs[baseline]["losses"])}
     resumed = runs.get("resumed")
     if resumed:
         out["resumed_from"] = resumed["resumed_from"]
@@ -258,6 +258,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1, help="per-process batch (rows)")
     parser.add_argument("--trainable", default="new", help="train.trainable (new: the recipe's)")
+    parser.add_argument("--baseline", choices=["ddp", "single"], default="ddp",
+                        help="what FSDP is checked against: 2 DDP processes, or one process with both processes' "
+                             "rows per step (the same batches and gradient; for pairs two whole copies of which "
+                             "do not fit the machine)")
     parser.add_argument("--mmap-threshold", type=int, default=65536,
                         help="MALLOC_MMAP_THRESHOLD_ for every process (0: glibc's default): allocations above it are "
                              "mmapped and unmapped when freed, so RSS follows the live tensors instead of what the "
@@ -283,14 +287,19 @@ def main() -> None:
                 subprocess.run([*CONVERT_REF[:6], str(student), *CONVERT_REF[7:]], check=True, env={**os.environ, **ENV})
         teacher = str(Path(args.teacher).resolve()) if args.teacher and Path(args.teacher).exists() else args.teacher
         overrides += [f"model={student}"] + ([f"teacher={teacher}"] if teacher else [])
-    for name in ("ddp", "fsdp", "killed"):
+    for name in ("ddp", "single", "fsdp", "killed"):
         for suffix in ("", ".run", ".probe"):
             shutil.rmtree(work / f"{name}{suffix}", ignore_errors=True)
 
     env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
-    runs = {"ddp": launch("ddp", work, "ddp", overrides + ["checkpoint.every=0"], env_extra=env)}
+    if args.baseline == "ddp":
+        runs = {"ddp": launch("ddp", work, "ddp", overrides + ["checkpoint.every=0"], env_extra=env)}
+    else:  # one process, per-device batch doubled: the rows both FSDP processes take in a step
+        single = [o for o in overrides if not o.startswith("train.per_device_batch_size=")]
+        runs = {"single": launch("ddp", work, "single", single + [f"train.per_device_batch_size={2 * args.batch}",
+                                                                   "checkpoint.every=0"], procs=1, env_extra=env, timeout=3600)}
     ckpt = [f"checkpoint.every={args.checkpoint_every}", "checkpoint.keep=2"]
-    runs["fsdp"] = launch("fsdp", work, "fsdp", overrides + ckpt, env_extra=env)
+    runs["fsdp"] = launch("fsdp", work, "fsdp", overrides + ckpt, env_extra=env, timeout=3600)
     if args.kill_at:
         runs["killed"] = launch("fsdp", work, "killed", overrides + ckpt, kill_at=args.kill_at, env_extra=env)
         if runs["killed"]["returncode"] == 0 or (work / "killed").exists():
@@ -301,15 +310,16 @@ def main() -> None:
             print(run.get("stderr_tail", ""), file=sys.stderr)
             raise SystemExit(f"{name} failed: {run['command']}")
     result = {
-        "what": "recipes/heal-mla.yaml on 2 CPU processes (gloo), fp32: DDP vs FSDP2"
+        "what": "recipes/heal-mla.yaml on 2 CPU processes (gloo), fp32: FSDP2 vs "
+                + ("DDP" if args.baseline == "ddp" else "one process with both processes' rows")
                 + (", and an FSDP kill + resume" if args.kill_at else ""),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), torch "
                    f"{__import__('torch').__version__}, accelerate {__import__('accelerate').__version__}",
         "command": shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
         "student_made_by": made_by,
-        "summary": summarize(runs),
+        "summary": summarize(runs, args.baseline),
         "final_weights_max_diff": {
-            "fsdp_vs_ddp": weights_diff(work / "fsdp", work / "ddp"),
+            f"fsdp_vs_{args.baseline}": weights_diff(work / "fsdp", work / args.baseline),
             **({"resumed_vs_uninterrupted": weights_diff(work / "killed", work / "fsdp")} if args.kill_at else {}),
         },
         "runs": runs,
