@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def series(runs: list[dict]) -> dict[str, list[tuple[int, float, float]]]:
-    """method -> [(parameters, wall seconds, peak GB)] sorted by parameters."""
+    """method -> [(parameters, wall seconds or None, peak GB)] sorted by parameters."""
     out: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     for r in runs:
         out[r["method"]].append((r["source_params"], r["wall_time_s"], r["peak_rss_bytes"] / 1e9))
-    return {m: sorted(points) for m, points in sorted(out.items())}
+    return {m: sorted(points, key=lambda point: point[0]) for m, points in sorted(out.items())}
 
 
 def plot(runs: list[dict], png: Path) -> Path:
@@ -31,7 +31,8 @@ def plot(runs: list[dict], png: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for method, points in series(runs).items():
         params = [p for p, _, _ in points]
-        left.plot(params, [t / 60 for _, t, _ in points], "o-", label=method)
+        timed = [(p, t) for p, t, _ in points if t is not None]  # a run paused by hand has no time
+        left.plot([p for p, _ in timed], [t / 60 for _, t in timed], "o-", label=method)
         right.plot(params, [g for _, _, g in points], "o-", label=method)
     sizes = sorted({r["source_params"]: r["source_bytes"] for r in runs}.items())
     right.plot([p for p, _ in sizes], [b / 1e9 for _, b in sizes], "k--", lw=0.8, label="checkpoint size")
