@@ -416,7 +416,8 @@ def _with_slots(titans: TitansMemory, layer: TitansCacheLayer | None, k: torch.T
     store = layer.slots if layer is not None and layer.slots is not None else empty_slots(k, v, titans.slots * (layer is not None))
     pos = torch.cat([store.pos, torch.arange(end - N, end, device=k.device).expand(B, G, N)], dim=-1)
     score = torch.cat([store.score, scores], dim=-1)
-    allowed = torch.cat([_allowed(mask).new_zeros(B, G, seq, store.pos.shape[-1]), _allowed(mask).expand(B, G, seq, N)], dim=-1)
+    window = _allowed(mask)  # [B or 1, 1, T, N]
+    allowed = torch.cat([window.new_zeros(B, G, seq, store.pos.shape[-1]), window.expand(B, G, seq, N)], dim=-1)
     # one more query row with a cache: the next token's slots, what the cache keeps (one ranking for both)
     queries = torch.arange(end - seq, end + (layer is not None), device=k.device)
     kept = slot_mask(queries, pos, score, titans.window, titans.slots)  # [B, G, T (+1), S + N]
