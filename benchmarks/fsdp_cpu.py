@@ -83,6 +83,23 @@ def probed_load_teacher(*args, **kwargs):  # the runtime, tokenizer and data, be
     seen.setdefault("anon_before_models", anon())
     return real_load_teacher(*args, **kwargs)
 ft.load_teacher = probed_load_teacher
+
+def record_grad_norms(accelerator, model):
+    """Step 1 only: each trainable tensor's whole gradient norm before clipping, by name (a collective
+    under FSDP: every process gathers the same tensors in the same order)."""
+    from torch.distributed.tensor import DTensor
+    real_clip = accelerator.clip_grad_norm_
+    def clip(params, *args, **kwargs):
+        norms = {}
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                norms[name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "").replace("module.", "")] = float(g.double().norm())
+        seen["step1_grad_norms"] = norms
+        accelerator.clip_grad_norm_ = real_clip
+        return real_clip(params, *args, **kwargs)
+    accelerator.clip_grad_norm_ = clip
+
 real_step = ft._optimizer_step
 def probed_step(accelerator, model, teacher, cache, data_iter, optimizer, *args, **kwargs):
     step = args[3] if len(args) > 3 else kwargs["step"]
@@ -93,6 +110,8 @@ def probed_step(accelerator, model, teacher, cache, data_iter, optimizer, *args,
             f.write("5")  # VmHWM := VmRSS now; what follows is the training peak
         seen["anon_before_training"] = anon()
         sampler.start()
+        if os.environ.get("GRAD_NORMS"):
+            record_grad_norms(accelerator, model)
     out = real_step(accelerator, model, teacher, cache, data_iter, optimizer, *args, **kwargs)
     params = list(model.parameters())  # what this process holds after the step (before the export casts it)
     state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -157,6 +176,7 @@ def launch(kind: str, work: Path, name: str, overrides: list[str], procs: int = 
               "returncode": proc.returncode, "seconds": round(time.perf_counter() - began, 1)}
     entries = [json.loads(x) for x in log_file.read_text().splitlines()[lines_before:]] if log_file.is_file() else []
     result["losses"] = {e["step"]: e["loss"] for e in entries if "loss" in e}
+    result["grad_norms"] = {e["step"]: e["grad_norm"] for e in entries if "grad_norm" in e}  # before clipping
     result["resumed_from"] = next((e["from"] for e in entries if e.get("event") == "resume"), None)
     report = out / "finetune_report.json"
     if report.is_file():
@@ -190,6 +210,18 @@ def weights_diff(a: Path, b: Path) -> float:
     wa, wb = load(a), load(b)
     assert wa.keys() == wb.keys()
     return max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
+
+
+def grad_norm_diffs(run: dict, base: dict, top: int = 8) -> dict:
+    """Step-1 gradient norms, tensor by tensor: the largest relative differences and where they are."""
+    a, b = run["probes"][0]["step1_grad_norms"], base["probes"][0]["step1_grad_norms"]
+    if a.keys() != b.keys():
+        raise SystemExit(f"the runs' trainable tensors differ: {sorted(a.keys() ^ b.keys())[:4]}")
+    rel = {k: abs(a[k] - b[k]) / max(abs(b[k]), 1e-30) for k in a}
+    worst = sorted(rel, key=rel.get, reverse=True)[:top]
+    total = lambda n: sum(v * v for v in n.values()) ** 0.5  # noqa: E731
+    return {"tensors": len(a), "total": [total(a), total(b)], "max_relative_diff": rel[worst[0]] if worst else 0.0,
+            "worst": [{"tensor": k, "fsdp": a[k], "baseline": b[k], "relative_diff": rel[k]} for k in worst]}
 
 
 def build_wide(work: Path, hidden: int, layers: int) -> tuple[Path, Path]:
@@ -259,13 +291,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="per-process batch (rows)")
     parser.add_argument("--trainable", default="new", help="train.trainable (new: the recipe's)")
     parser.add_argument("--baseline", choices=["ddp", "single"], default="ddp",
-                        help="what FSDP is checked against: 2 DDP processes, or one process with both processes' "
-                             "rows per step (the same batches and gradient; for pairs two whole copies of which "
-                             "do not fit the machine)")
+                        help="what FSDP is checked against: 2 DDP processes, or one process taking both processes' "
+                             "rows per step as 2 accumulated micro-batches (each row's forward and backward alone, "
+                             "as each DDP or FSDP process runs it; for pairs two whole copies of which do not fit)")
     parser.add_argument("--mmap-threshold", type=int, default=65536,
                         help="MALLOC_MMAP_THRESHOLD_ for every process (0: glibc's default): allocations above it are "
                              "mmapped and unmapped when freed, so RSS follows the live tensors instead of what the "
                              "heap kept for reuse (both runs alike)")
+    parser.add_argument("--grad-norms", action="store_true",
+                        help="record each trainable tensor's step-1 gradient norm (before clipping) in both runs and "
+                             "report the tensors that differ most")
     parser.add_argument("-o", "--output", default="benchmarks/results/fsdp_cpu.json")
     args = parser.parse_args()
 
@@ -292,12 +327,14 @@ def main() -> None:
             shutil.rmtree(work / f"{name}{suffix}", ignore_errors=True)
 
     env = {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}
+    if args.grad_norms:
+        env["GRAD_NORMS"] = "1"
     if args.baseline == "ddp":
         runs = {"ddp": launch("ddp", work, "ddp", overrides + ["checkpoint.every=0"], env_extra=env)}
-    else:  # one process, per-device batch doubled: the rows both FSDP processes take in a step
-        single = [o for o in overrides if not o.startswith("train.per_device_batch_size=")]
-        runs = {"single": launch("ddp", work, "single", single + [f"train.per_device_batch_size={2 * args.batch}",
-                                                                   "checkpoint.every=0"], procs=1, env_extra=env, timeout=3600)}
+    else:  # one process, the rows of both FSDP processes as 2 micro-batches: rank 0's rows, then rank 1's
+        # (one batch of both rows would round differently: other GEMM shapes, not what a process computes)
+        runs = {"single": launch("ddp", work, "single", overrides + ["train.grad_accum=2", "checkpoint.every=0"],
+                                 procs=1, env_extra=env, timeout=3600)}
     ckpt = [f"checkpoint.every={args.checkpoint_every}", "checkpoint.keep=2"]
     runs["fsdp"] = launch("fsdp", work, "fsdp", overrides + ckpt, env_extra=env, timeout=3600)
     if args.kill_at:
@@ -324,6 +361,8 @@ def main() -> None:
         },
         "runs": runs,
     }
+    if args.grad_norms:
+        result["summary"]["step1_grad_norms"] = grad_norm_diffs(runs["fsdp"], runs[args.baseline])
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))
