@@ -171,6 +171,28 @@ def test_steady_mix_makes_the_norm_steady_and_is_invertible():
     assert abs(float(sv.max()) - 1) < 1e-9 and float(sv.max() / sv.min()) < 10
 
 
+def test_steady_mix_keeps_its_best_point_when_an_svd_fails(monkeypatch):
+    """A line-search step can go where fp32's SVD does not converge (seen on reference-mha at 281/26):
+    the mix is then the best point evaluated before it, finite and no worse than no mix, not a traceback."""
+    torch.manual_seed(0)
+    N, r = 4000, 6
+    dirs = torch.randn(N, r, dtype=torch.float64)
+    z = (dirs / dirs.norm(dim=-1, keepdim=True)) * torch.linspace(1, 3, r, dtype=torch.float64)
+    real, calls = torch.linalg.svdvals, {"n": 0}
+
+    def failing(t):
+        calls["n"] += t.dtype == torch.float32  # the fit's fp32 calls, not the final fp64 normalisation
+        if calls["n"] > 6 and t.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        return real(t)
+
+    monkeypatch.setattr(torch.linalg, "svdvals", failing)
+    T = steady_mix(z)
+    monkeypatch.setattr(torch.linalg, "svdvals", real)
+    assert calls["n"] > 6 and torch.isfinite(T).all()
+    assert norm_spread(z @ T.T) < norm_spread(z)  # the steps before the failure are kept
+
+
 def test_steady_mix_beyond_its_channels_shares_one_scale():
     """Channels past the freely mixed ones get one common scale: enough when they are steady among
     themselves but on another scale than the mixed ones."""

@@ -23,6 +23,8 @@ what llama.cpp, vLLM and SGLang implement (docs/serving.md cites their code):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from attnkit.converters.mla.layer import MLAParams, Shape
@@ -87,20 +89,30 @@ def steady_mix(z: torch.Tensor, spread: float = 1e-3, iters: int = 200, channels
     t = torch.eye(len(head), dtype=torch.float32, requires_grad=True)
     log_s = torch.zeros((), dtype=torch.float32, requires_grad=True)  # the shared scale of the rest
     opt = torch.optim.LBFGS([t, log_s], max_iter=iters, line_search_fn="strong_wolfe")
+    best = {"value": float("inf"), "t": t.detach().clone(), "log_s": log_s.detach().clone()}  # T = I if all fails
 
     def loss() -> torch.Tensor:
         opt.zero_grad()
         q = (z_head @ t.T).pow(2).sum(-1) + (2 * log_s).exp() * rest_sq  # [N] squared norms
         log_sv = torch.cat([torch.linalg.svdvals(t).log(), log_s.expand(len(rest))])
         value = (q / q.mean() - 1).pow(2).mean() + spread * (log_sv - log_sv.mean()).pow(2).mean()
+        seen = float(value.detach())
+        if math.isfinite(seen) and seen < best["value"]:
+            best.update(value=seen, t=t.detach().clone(), log_s=log_s.detach().clone())
         value.backward()
         return value
 
     with torch.enable_grad():
-        opt.step(loss)
+        try:
+            opt.step(loss)
+            fit_t, fit_log_s = t.detach(), log_s.detach()
+        except torch.linalg.LinAlgError:  # a line-search step too far (its SVD does not converge)
+            fit_t, fit_log_s = best["t"], best["log_s"]  # the best point evaluated before it
+    if not (torch.isfinite(fit_t).all() and torch.isfinite(fit_log_s)):
+        fit_t, fit_log_s = best["t"], best["log_s"]
     mix = torch.zeros(r, r, dtype=torch.float64)
-    mix[head[:, None], head[None, :]] = t.detach().double()
-    mix[rest, rest] = log_s.detach().double().exp()
+    mix[head[:, None], head[None, :]] = fit_t.double()
+    mix[rest, rest] = fit_log_s.double().exp()
     return mix / torch.linalg.svdvals(mix).max()  # largest singular value 1: the latent's scale unchanged at most
 
 
