@@ -129,3 +129,64 @@ def test_engine_sizes_choose_among_what_vllm_takes(tmp_path, sizes, budget, chos
     assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] in (320, 512, 576)
     if sizes == "vllm-cpu":
         assert report["serving"]["vLLM CPU"].startswith("yes") and (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == chosen
+
+
+def test_choose_by_heal_needs_a_budget_and_a_recipe(tmp_path, capsys):
+    for extra in (["--choose-by", "heal", "--kv-lora-rank", "28", "--rope-dim", "48"],
+                  ["--kv-budget", "0.3", "--choose-by", "heal", "--heal-recipe", str(tmp_path / "none.yaml")]):
+        assert _convert(tmp_path, *extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert "--choose-by heal" in err or "--heal-recipe" in err, err
+        assert "\n" not in err and not (tmp_path / "out").exists()
+
+
+def test_finalists_are_the_least_kl_rows():
+    from attnkit.converters.mla.heal_choice import finalists
+
+    rows = [{"rope_dim": d, "kl": kl} for d, kl in ((2, 1.3), (40, 0.1532), (52, 0.1505), (64, 0.1505), (26, 0.35))]
+    assert [r["rope_dim"] for r in finalists(rows, 3)] == [52, 64, 40]
+    assert finalists(rows, 9) == sorted(rows, key=lambda r: r["kl"])
+
+
+@pytest.mark.slow
+def test_choose_by_heal_writes_the_finalist_that_healed_best(tmp_path, capsys):
+    """Every finalist converted and healed briefly; OUT holds the one with the lowest validation loss, and
+    equals that split's plain conversion (the other finalists and the short heals leave nothing behind)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import yaml
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from mla_fixtures import calib_folder, save_model
+
+    src = save_model(tmp_path / "src", "llama")  # G 2, d 16: 64 cached values per token and layer
+    calib = calib_folder(tmp_path / "calib")
+    recipe = tmp_path / "heal.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "data": {"source": str(calib), "seq_len": 32, "tokens": 32 * 40, "val_tokens": 128},
+        "train": {"trainable": "new", "patterns": [r"self_attn\.kv_", r"self_attn\.q_"], "per_device_batch_size": 1, "lr": 1e-3, "warmup_steps": 1,
+                  "mixed_precision": "no"},
+        "loss": {"ce_weight": 1.0, "kl_weight": 0.0, "hidden_weight": 30.0}, "log": {"tensorboard": False}}))
+    common = ["--calib", str(calib), "--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "64"]
+    out = tmp_path / "out"
+    assert main(["convert", "--to", "mla", str(src), "-o", str(out), *common, "--kv-budget", "0.5",
+                 "--choose-by", "heal", "--heal-recipe", str(recipe), "--heal-steps", "2", "--heal-candidates", "2"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "attnkit_report.json").read_text())
+    choice = report["kv_budget"]["heal_choice"]
+    assert len(choice["finalists"]) == 2 and choice["steps"] == 2
+    best = min(choice["finalists"], key=lambda f: f["heal_validation_loss"])
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (best["kv_lora_rank"], best["rope_dim"])
+    assert report["kv_budget"]["chosen"] == {"kv_lora_rank": best["kv_lora_rank"], "rope_dim": best["rope_dim"]}
+    assert report["kv_budget"]["chosen_by"] == "heal" and len(report["kv_budget"]["candidates"]) >= 3
+    assert "--choose-by heal: chose" in printed and not (out / ".choose-by-heal").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib", "heal.yaml", "out", "src"]
+    explicit = tmp_path / "explicit"
+    assert main(["convert", "--to", "mla", str(src), "-o", str(explicit), *common, "--kv-lora-rank",
+                 str(best["kv_lora_rank"]), "--rope-dim", str(best["rope_dim"])]) == 0
+    a, e = load_file(str(out / "model-layers.safetensors")), load_file(str(explicit / "model-layers.safetensors"))
+    assert a.keys() == e.keys() and all(torch.equal(a[k], e[k]) for k in a)

@@ -48,6 +48,13 @@ class MLAConfig:
     engine_sizes: str | None = option(
         None, "with --kv-budget: measure only the splits vLLM's MLA kernels take (rope dim 64, kv_lora_rank + rope "
         "dim 320/512/576; vllm-cpu: 576), the best one within the budget", choices=("vllm", "vllm-cpu"))
+    choose_by: str = option(
+        "kl", "with --kv-budget: kl = the split of least one-shot KL; heal = of the --heal-candidates splits of least "
+        "KL, the one whose short heal (--heal-steps steps of --heal-recipe) ends at the lowest validation loss "
+        "(converts and heals each finalist: minutes more on a small model)", choices=("kl", "heal"))
+    heal_recipe: str = option("recipes/heal-mla.yaml", "with --choose-by heal: the healing recipe", metavar="YAML")
+    heal_steps: int = option(12, "with --choose-by heal: optimizer steps of each short heal", metavar="N")
+    heal_candidates: int = option(3, "with --choose-by heal: how many least-KL splits are healed", metavar="K")
     refit_query: bool = option(True, "least-squares refit of the NoPE query to the source's RoPE'd scores (report "
                                "stage 'refit'; default on, measured better)", negatable=True)
     refit_weights: str = option("attention", "distances the refit averages RoPE over: the source's attention mass, "

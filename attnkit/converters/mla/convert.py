@@ -25,7 +25,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from attnkit.converters.common import calibration_text, check_device
 from attnkit.converters.measure import SourceAttention, heap_reuse, measure_stage, measure_streams, return_freed_memory
-from attnkit.converters.mla import layer as mla
+from attnkit.converters.mla import heal_choice, layer as mla
 from attnkit.converters.mla.candidates import choose_split, rope_score_pass, rope_slots, selection_tokens
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
 from attnkit.converters.mla.metrics import ErrorStat
@@ -75,6 +75,8 @@ class Plan:
 
 
 def convert(args: argparse.Namespace) -> int:
+    if getattr(args, "choose_by", "kl") == "heal":
+        return convert_choosing_by_heal(args)
     started = time.time()
     return_freed_memory()
     src = open_source(args.model)
@@ -110,6 +112,24 @@ def convert(args: argparse.Namespace) -> int:
     print(format_report(report))
     if getattr(args, "announce", True):  # not when OUT is a scratch step of `mla+…` (its path is temporary)
         print(f"wrote {args.out}")
+    return 0
+
+
+def convert_choosing_by_heal(args: argparse.Namespace) -> int:
+    """--kv-budget F --choose-by heal: the finalists converted and briefly healed (`heal_choice`); the one that
+    healed best is written to OUT, its report's `kv_budget.heal_choice` naming every finalist's figures."""
+    src = open_source(args.model)
+    heal_choice.check_recipe(args)
+    with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:
+        budget = heal_choice.choose_by_heal(args, convert, tmp, teacher=str(src.path))
+        report = json.loads((tmp / "attnkit_report.json").read_text())
+        report["kv_budget"] = budget
+        (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
+        write_model_card(tmp)
+    chosen, heals = budget["chosen"], budget["heal_choice"]
+    print(f"--choose-by heal: chose kv_lora_rank {chosen['kv_lora_rank']}, rope_dim {chosen['rope_dim']} "
+          f"({len(heals['finalists'])} finalists, {heals['steps']} steps of {heals['recipe']} each)")
+    print(f"wrote {args.out}")
     return 0
 
 

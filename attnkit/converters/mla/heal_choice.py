@@ -1,0 +1,98 @@
+"""`--kv-budget F --choose-by heal`: of the splits with the least one-shot KL, the one that heals best.
+
+One-shot KL tells splits far apart correctly but not near-ties. On reference-mha at 30 % of the cache,
+255/52, 249/58 and 243/64 all measure KL 0.1505 and the pick (255/52) heals to x1.078 of the source where
+243/64 heals to x1.068 (docs/finetune.md, "Which split heals best"). A short heal of each finalist (12 steps
+of the recipe, about a quarter of its tokens) ranked four splits as the full heals did. This module runs it:
+convert the finalists, heal each briefly in its own process, keep the conversion whose heal ended lowest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from attnkit.errors import AttnkitError
+
+REPORT = "attnkit_report.json"
+
+
+def finalists(candidates: list[dict], k: int) -> list[dict]:
+    """The k rows of the --kv-budget table with the least KL, best first (ties: the table's order)."""
+    return sorted(candidates, key=lambda c: c["kl"])[:k]
+
+
+def short_heal_command(recipe: str, model: Path, teacher: str, work: Path, steps: int) -> list[str]:
+    """`attnkit finetune` of `model` for `steps` optimizer steps, only the final validation loss measured."""
+    return [sys.executable, "-m", "attnkit.cli", "finetune", "--config", recipe, f"model={model}",
+            f"teacher={teacher}", f"output_dir={work / 'healed'}", f"run_dir={work / 'run'}",
+            f"train.max_steps={steps}", "eval.tasks=null", "eval.every=0", "checkpoint.every=0",
+            "log.tensorboard=false"]
+
+
+def short_heal(recipe: str, model: Path, teacher: str, work: Path, steps: int) -> float:
+    """Validation loss after a short heal (in a child process: each finalist starts from a clean memory)."""
+    proc = subprocess.run(short_heal_command(recipe, model, teacher, work, steps), capture_output=True, text=True)
+    report = work / "healed" / "finetune_report.json"
+    if proc.returncode != 0 or not report.is_file():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise AttnkitError(f"--choose-by heal: the short heal of {model.name} failed ({last})")
+    return float(json.loads(report.read_text())["eval_after"]["validation"]["loss"])
+
+
+def sub_args(args: argparse.Namespace, out: Path, **changes) -> argparse.Namespace:
+    """The same conversion into a scratch folder, the split measured by KL or (`changes`) named."""
+    ns = copy.copy(args)
+    ns.choose_by, ns.out, ns.force, ns.announce = "kl", str(out), False, False
+    for key, value in changes.items():
+        setattr(ns, key, value)
+    return ns
+
+
+def check_recipe(args: argparse.Namespace) -> str:
+    if args.kv_budget is None:
+        raise AttnkitError("--choose-by heal chooses among --kv-budget's splits; give --kv-budget F")
+    if not Path(args.heal_recipe).is_file():
+        raise AttnkitError(f"--heal-recipe {args.heal_recipe}: no such file (the healing recipe the finalists are "
+                           f"healed with, e.g. recipes/heal-mla.yaml of the attnkit repository)")
+    if args.heal_steps < 1 or args.heal_candidates < 1:
+        raise AttnkitError("--heal-steps and --heal-candidates must be at least 1")
+    return str(Path(args.heal_recipe).resolve())
+
+
+def choose_by_heal(args: argparse.Namespace, convert_one: Callable[[argparse.Namespace], int],
+                   tmp: Path, teacher: str) -> dict:
+    """Fill `tmp` (the output's temporary folder) with the finalist that healed best; returns the report's
+    `kv_budget` section with the finalists' heals. `convert_one`: the plain conversion (`convert.convert`)."""
+    recipe = check_recipe(args)
+    work = tmp / ".choose-by-heal"
+    first = work / "kl-choice"
+    convert_one(sub_args(args, first))
+    budget = json.loads((first / REPORT).read_text())["kv_budget"]
+    rows = []
+    for row in finalists(budget["candidates"], args.heal_candidates):
+        split = (row["kv_lora_rank"], row["rope_dim"])
+        chosen = split == (budget["chosen"]["kv_lora_rank"], budget["chosen"]["rope_dim"])
+        folder = first if chosen else work / f"r{split[0]}_dr{split[1]}"
+        if not chosen:
+            convert_one(sub_args(args, folder, kv_budget=None, engine_sizes=None, kv_lora_rank=split[0],
+                                 rope_dim=split[1]))
+        loss = short_heal(recipe, folder, teacher, work / f"heal-r{split[0]}_dr{split[1]}", args.heal_steps)
+        rows.append({"kv_lora_rank": split[0], "rope_dim": split[1], "kl": row["kl"], "heal_validation_loss": loss,
+                     "folder": folder})
+        print(f"--choose-by heal: {split[0]}/{split[1]} (KL {row['kl']:.4f}) -> validation loss {loss:.4f} "
+              f"after {args.heal_steps} steps")
+    best = min(rows, key=lambda r: r["heal_validation_loss"])
+    for item in best["folder"].iterdir():
+        shutil.move(str(item), str(tmp / item.name))
+    shutil.rmtree(work)
+    chosen = {"kv_lora_rank": best["kv_lora_rank"], "rope_dim": best["rope_dim"]}
+    return {**budget, "chosen": chosen, "chosen_by": "heal", "kl_chosen": budget["chosen"],
+            "heal_choice": {"recipe": Path(args.heal_recipe).name, "steps": args.heal_steps,
+                            "finalists": [{k: v for k, v in r.items() if k != "folder"} for r in rows]}}
