@@ -83,12 +83,18 @@ def choose_by_heal(args: argparse.Namespace, convert_one: Callable[[argparse.Nam
         if not chosen:
             convert_one(sub_args(args, folder, kv_budget=None, engine_sizes=None, kv_lora_rank=split[0],
                                  rope_dim=split[1]))
-        loss = short_heal(recipe, folder, teacher, work / f"heal-r{split[0]}_dr{split[1]}", args.heal_steps)
+        print(f"--choose-by heal: healing {split[0]}/{split[1]} for {args.heal_steps} steps …", flush=True)
+        healed = work / f"heal-r{split[0]}_dr{split[1]}"
+        loss = short_heal(recipe, folder, teacher, healed, args.heal_steps)
+        shutil.rmtree(healed)
         rows.append({"kv_lora_rank": split[0], "rope_dim": split[1], "kl": row["kl"], "heal_validation_loss": loss,
                      "folder": folder})
         print(f"--choose-by heal: {split[0]}/{split[1]} (KL {row['kl']:.4f}) -> validation loss {loss:.4f} "
               f"after {args.heal_steps} steps")
-    best = min(rows, key=lambda r: r["heal_validation_loss"])
+        best = min(rows, key=lambda r: r["heal_validation_loss"])
+        for r in rows:  # at most two conversions on disk: the best so far and the next finalist
+            if r is not best and r["folder"].exists():
+                shutil.rmtree(r["folder"])
     for item in best["folder"].iterdir():
         shutil.move(str(item), str(tmp / item.name))
     shutil.rmtree(work)
