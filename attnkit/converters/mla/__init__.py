@@ -6,6 +6,7 @@
 - `source`: the source model streamed one layer at a time;
 - `settings`, `metrics`, `report`: validated options, error measures, `attnkit_report.json`;
 - `candidates`: measured candidate conversions (`--kv-budget`);
+- `heal_choice`: `--choose-by heal`, the least-KL finalists healed briefly, the best kept;
 - `card`: what the model card says of an output with an MLA part (serving, fine-tuning);
 - `convert`: the driver (plan, then execute).
 """
