@@ -88,13 +88,14 @@ def record_grad_norms(accelerator, model):
     """Step 1 only: each trainable tensor's whole gradient norm before clipping, by name (a collective
     under FSDP: every process gathers the same tensors in the same order)."""
     from torch.distributed.tensor import DTensor
+    from attnkit.training.trainable import canonical_name
     real_clip = accelerator.clip_grad_norm_
     def clip(params, *args, **kwargs):
         norms = {}
         for name, p in model.named_parameters():
             if p.grad is not None:
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                norms[name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "").replace("module.", "")] = float(g.double().norm())
+                norms[canonical_name(name).removeprefix("module.")] = float(g.double().norm())  # module.: DDP's
         seen["step1_grad_norms"] = norms
         accelerator.clip_grad_norm_ = real_clip
         return real_clip(params, *args, **kwargs)

@@ -167,8 +167,8 @@ def test_choose_by_heal_writes_the_finalist_that_healed_best(tmp_path, capsys):
     recipe = tmp_path / "heal.yaml"
     recipe.write_text(yaml.safe_dump({
         "data": {"source": str(calib), "seq_len": 32, "tokens": 32 * 40, "val_tokens": 128},
-        "train": {"trainable": "new", "patterns": [r"self_attn\.kv_", r"self_attn\.q_"], "per_device_batch_size": 1, "lr": 1e-3, "warmup_steps": 1,
-                  "mixed_precision": "no"},
+        "train": {"trainable": "new", "patterns": [r"self_attn\.kv_", r"self_attn\.q_"], "per_device_batch_size": 1,
+                  "lr": 1e-3, "warmup_steps": 1, "mixed_precision": "no"},
         "loss": {"ce_weight": 1.0, "kl_weight": 0.0, "hidden_weight": 30.0}, "log": {"tensorboard": False}}))
     common = ["--calib", str(calib), "--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "64"]
     out = tmp_path / "out"

@@ -142,6 +142,11 @@ def grad_masks(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p._attnkit_grad_keep for n, p in model.named_parameters() if hasattr(p, "_attnkit_grad_keep")}
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's name without what activation checkpointing and torch.compile wrap it in."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 def sharded_grad_masks(model: torch.nn.Module, masks: dict[str, torch.Tensor]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """The masks laid out like FSDP2's sharded parameters (DTensors, each process its own rows).
 
@@ -155,7 +160,7 @@ def sharded_grad_masks(model: torch.nn.Module, masks: dict[str, torch.Tensor]) -
 
     out, found = [], set()
     for name, param in model.named_parameters():
-        canonical = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        canonical = canonical_name(name)
         if canonical not in masks:
             continue
         found.add(canonical)

@@ -119,9 +119,9 @@ def convert_choosing_by_heal(args: argparse.Namespace) -> int:
     """--kv-budget F --choose-by heal: the finalists converted and briefly healed (`heal_choice`); the one that
     healed best is written to OUT, its report's `kv_budget.heal_choice` naming every finalist's figures."""
     src = open_source(args.model)
-    heal_choice.check_recipe(args)
+    recipe = heal_choice.check_recipe(args)  # refused before OUT is claimed
     with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:
-        budget = heal_choice.choose_by_heal(args, convert, tmp, teacher=str(src.path))
+        budget = heal_choice.choose_by_heal(args, convert, tmp, recipe, teacher=str(src.path))
         report = json.loads((tmp / "attnkit_report.json").read_text())
         report["kv_budget"] = budget
         (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))

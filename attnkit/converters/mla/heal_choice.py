@@ -67,10 +67,10 @@ def check_recipe(args: argparse.Namespace) -> str:
 
 
 def choose_by_heal(args: argparse.Namespace, convert_one: Callable[[argparse.Namespace], int],
-                   tmp: Path, teacher: str) -> dict:
+                   tmp: Path, recipe: str, teacher: str) -> dict:
     """Fill `tmp` (the output's temporary folder) with the finalist that healed best; returns the report's
-    `kv_budget` section with the finalists' heals. `convert_one`: the plain conversion (`convert.convert`)."""
-    recipe = check_recipe(args)
+    `kv_budget` section with the finalists' heals. `convert_one`: the plain conversion (`convert.convert`);
+    `recipe`: what `check_recipe` returned."""
     work = tmp / ".choose-by-heal"
     first = work / "kl-choice"
     convert_one(sub_args(args, first))
@@ -78,9 +78,9 @@ def choose_by_heal(args: argparse.Namespace, convert_one: Callable[[argparse.Nam
     rows = []
     for row in finalists(budget["candidates"], args.heal_candidates):
         split = (row["kv_lora_rank"], row["rope_dim"])
-        chosen = split == (budget["chosen"]["kv_lora_rank"], budget["chosen"]["rope_dim"])
-        folder = first if chosen else work / f"r{split[0]}_dr{split[1]}"
-        if not chosen:
+        kl_pick = split == (budget["chosen"]["kv_lora_rank"], budget["chosen"]["rope_dim"])
+        folder = first if kl_pick else work / f"r{split[0]}_dr{split[1]}"
+        if not kl_pick:
             convert_one(sub_args(args, folder, kv_budget=None, engine_sizes=None, kv_lora_rank=split[0],
                                  rope_dim=split[1]))
         print(f"--choose-by heal: healing {split[0]}/{split[1]} for {args.heal_steps} steps …", flush=True)
