@@ -50,6 +50,7 @@ def test_overrides_and_types(tmp_path):
         ("train.schedule=linear", "train.schedule"),
         ("loss.temperature=0", "loss.temperature"),
         ("teacher=null", "teacher"),
+        ("train.rest_lr=-1e-5", "train.rest_lr"),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, override, key):
@@ -194,6 +195,33 @@ def test_new_params_heal_trains_only_patterns_and_reloads(tiny, tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(tiny["mla"])
     reference.load_state_dict(after, strict=False)
     torch.testing.assert_close(model(val).logits, reference(val).logits, rtol=0, atol=0)
+
+
+def test_rest_lr_applies_only_to_a_partial_trainable_set(tmp_path):
+    path = write_recipe(tmp_path / "r.yaml", model="m", output_dir="o", teacher="t", train={"patterns": ["q"]})
+    assert load_finetune_recipe(path, ["train.rest_lr=1e-5"]).train.rest_lr == 1e-5
+    with pytest.raises(AttnkitError, match="recipe key train.rest_lr: applies to trainable new or attention"):
+        load_finetune_recipe(path, ["train.trainable=full", "train.rest_lr=1e-5"])
+
+
+def test_rest_lr_trains_everything_in_two_groups(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from attnkit.training.trainable import param_groups, select_trainable
+
+    model = AutoModelForCausalLM.from_pretrained(tiny["mla"])
+    chosen = select_trainable(model, "new", [r"kv_b_proj"])
+    frozen = param_groups(model, chosen, 1e-3, 0.0)
+    assert [g["lr"] for g in frozen] == [1e-3] and sum(p.requires_grad for p in model.parameters()) == len(chosen)
+    groups = param_groups(model, chosen, 1e-3, 1e-5)
+    assert [g["lr"] for g in groups] == [1e-3, 1e-5] and all(p.requires_grad for p in model.parameters())
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))  # tied weights once
+
+    recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])
+    recipe["train"].update(trainable="new", patterns=[r"kv_b_proj"], rest_lr=1e-4)
+    train(write_recipe(tmp_path / "r.yaml", **recipe))
+    before, after = load_file(str(tiny["mla"] / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert not {k for k in after if torch.equal(before[k], after[k])}
 
 
 def test_lora_merge_gives_plain_checkpoint(tiny, tmp_path):

@@ -437,15 +437,16 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     model = load_causal_lm(inputs.student_path, inputs.trust)
     if t.trainable == "lora":
         model = trainable.apply_lora(model, t.lora)
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": t.lr}]
     else:
-        trainable.select_trainable(model, t.trainable, t.patterns)
+        chosen = trainable.select_trainable(model, t.trainable, t.patterns)
+        groups = trainable.param_groups(model, chosen, t.lr, t.rest_lr)
     protected = trainable.protect_constant_channels(model)
     if protected:
         notes.append(f"{protected} constant MLA latent channel(s) kept frozen (their gradients are zeroed)")
     masks = trainable.grad_masks(model)  # by name: FSDP replaces the parameters their hooks are on
     trainable_desc = trainable.describe(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
     scheduler = build_scheduler(optimizer, data.total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio,
                                 t.decay_fraction)
     loader = batches.train_loader(data.dataset, t.per_device_batch_size)

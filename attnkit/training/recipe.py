@@ -54,6 +54,7 @@ class TrainSection:
     grad_accum: int = 1
     max_steps: int | None = None  # overrides data.tokens when set
     lr: float = 3.0e-4
+    rest_lr: float = 0.0  # trainable new/attention: every other parameter trains too, at this learning rate (0: frozen)
     min_lr_ratio: float = 0.1
     schedule: str = "cosine"  # cosine | wsd | constant
     warmup_steps: int = 10
@@ -175,6 +176,9 @@ def check_recipe(r: Recipe) -> None:
               f"must be two token counts [lo, hi] with 1 <= lo <= hi, got {lo_hi}")
     _need(r.train.max_steps is None or r.train.max_steps > 0, "train.max_steps", "must be positive")
     _need(r.train.lr > 0, "train.lr", f"must be positive, got {r.train.lr}")
+    _need(r.train.rest_lr >= 0, "train.rest_lr", f"must be >= 0, got {r.train.rest_lr}")
+    _need(r.train.rest_lr == 0 or r.train.trainable in ("new", "attention"), "train.rest_lr",
+          f"applies to trainable new or attention (the rest of the model), not {r.train.trainable}")
     _need(0 <= r.train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
     _need(0 < r.train.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
     _need(len(r.train.betas) == 2, "train.betas", "must hold two numbers")

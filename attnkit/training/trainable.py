@@ -45,6 +45,25 @@ def select_trainable(model: torch.nn.Module, mode: str, patterns: list[str]) -> 
     return chosen
 
 
+def param_groups(model: torch.nn.Module, chosen: list[str], lr: float, rest_lr: float) -> list[dict]:
+    """AdamW's groups: the chosen parameters at `lr`; with `rest_lr` > 0 every other one too, at `rest_lr`
+    (the rest of the network adapts a little to the new attention while the new parameters move fast).
+
+    Shared (tied) parameters are listed once, under their first name, as `model.parameters()` does."""
+    keep = set(chosen)
+    chosen_params, rest = [], []
+    for name, param in model.named_parameters():
+        if name in keep:
+            chosen_params.append(param)
+        elif rest_lr > 0:
+            param.requires_grad_(True)
+            rest.append(param)
+    groups = [{"params": chosen_params, "lr": lr}]
+    if rest:
+        groups.append({"params": rest, "lr": rest_lr})
+    return groups
+
+
 def apply_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
     """Wrap in a PEFT LoRA model; `modules_to_save` (e.g. new norms) are trained in full."""
     from peft import LoraConfig, get_peft_model
