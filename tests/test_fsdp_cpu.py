@@ -76,16 +76,22 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def base_overrides(pair: dict, steps: int) -> list[str]:
+    return [f"model={pair['student']}", f"teacher={pair['teacher']}", f"data.source={pair['corpus']}",
+            "data.seq_len=16", "data.val_tokens=64", f"train.max_steps={steps}", "train.per_device_batch_size=2",
+            "train.warmup_steps=1", "eval.tasks=null", "eval.every=0", "log.tensorboard=false"]
+
+
 def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     bench = load_benchmark("fsdp_cpu.py", "fsdp_cpu_bench")
-    overrides = [f"model={pair['student']}", f"teacher={pair['teacher']}", f"data.source={pair['corpus']}",
-                 "data.seq_len=16", "data.val_tokens=64", "train.max_steps=4", "train.per_device_batch_size=2",
-                 "train.warmup_steps=1", "eval.tasks=null", "eval.every=0", "log.tensorboard=false"]
+    overrides = base_overrides(pair, 4)
     ckpt = ["checkpoint.every=2", "checkpoint.keep=2"]
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-    ddp = bench.launch("ddp", tmp_path, "ddp", overrides + ["checkpoint.every=0"], env_extra=env, timeout=300)
+    ddp = bench.launch("ddp", tmp_path, "ddp", overrides + ["checkpoint.every=0"], env_extra=ENV, timeout=300)
     assert ddp["returncode"] == 0, ddp.get("stderr_tail")
-    fsdp = bench.launch("fsdp", tmp_path, "fsdp", overrides + ckpt, env_extra=env, timeout=300)
+    fsdp = bench.launch("fsdp", tmp_path, "fsdp", overrides + ckpt, env_extra=ENV, timeout=300)
     assert fsdp["returncode"] == 0, fsdp.get("stderr_tail")
 
     # one process group of 2 in each (not two worlds of one), FSDP really sharded
@@ -122,7 +128,7 @@ def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     (resumed_run / "checkpoints").mkdir(parents=True)
     shutil.copy2(run / "run.json", resumed_run / "run.json")
     shutil.copytree(run / "checkpoints" / "step-000002", resumed_run / "checkpoints" / "step-000002")
-    resumed = bench.launch("fsdp", tmp_path, "resumed", overrides + ckpt, env_extra=env, timeout=300)
+    resumed = bench.launch("fsdp", tmp_path, "resumed", overrides + ckpt, env_extra=ENV, timeout=300)
     assert resumed["returncode"] == 0, resumed.get("stderr_tail")
     assert resumed["resumed_from"].endswith("step-000002")
     assert sorted(resumed["losses"]) == [3, 4]
@@ -130,3 +136,19 @@ def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     assert resumed["loss_curve"] == fsdp["loss_curve"]
     r = weights(tmp_path / "resumed")
     assert all(torch.equal(r[k], a[k]) for k in a)
+
+
+def test_fsdp_trains_the_rest_at_rest_lr_as_ddp_does(pair, tmp_path):
+    """`train.rest_lr`: a second AdamW group (every other parameter) survives FSDP's parameter swap; the
+    constant latent channel stays frozen."""
+    bench = load_benchmark("fsdp_cpu.py", "fsdp_cpu_bench")
+    overrides = base_overrides(pair, 2) + ["train.rest_lr=1e-4", "checkpoint.every=0"]
+    runs = {kind: bench.launch(kind, tmp_path, kind, overrides, env_extra=ENV, timeout=300) for kind in ("ddp", "fsdp")}
+    for run in runs.values():
+        assert run["returncode"] == 0, run.get("stderr_tail")
+    assert bench.max_diff(runs["fsdp"]["losses"], runs["ddp"]["losses"]) < 1e-4
+    a, b, start = weights(tmp_path / "fsdp"), weights(tmp_path / "ddp"), weights(pair["student"])
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert not [k for k in a if torch.equal(a[k], start[k])]  # MLPs, norms and embeddings moved too
+    prefix = "model.layers.0.self_attn."
+    assert torch.equal(a[prefix + "kv_b_proj.weight"][:, 0], start[prefix + "kv_b_proj.weight"][:, 0])

@@ -153,16 +153,46 @@ def test_choose_by_heal_writes_the_finalist_that_healed_best(tmp_path, capsys):
     """Every finalist converted and healed briefly; OUT holds the one with the lowest validation loss, and
     equals that split's plain conversion (the other finalists and the short heals leave nothing behind)."""
     import json
+
+    from safetensors.torch import load_file
+
+    out, common, src = tmp_path / "out", *_heal_choice_setup(tmp_path)
+    best = _convert_choosing_by_heal(tmp_path, "mla", src, out, common, capsys)
+    report = json.loads((out / "attnkit_report.json").read_text())
+    assert report["kv_budget"]["chosen"] == {"kv_lora_rank": best["kv_lora_rank"], "rope_dim": best["rope_dim"]}
+    assert report["kv_budget"]["chosen_by"] == "heal" and len(report["kv_budget"]["candidates"]) >= 3
+    explicit = tmp_path / "explicit"
+    assert main(["convert", "--to", "mla", str(src), "-o", str(explicit), *common, "--kv-lora-rank",
+                 str(best["kv_lora_rank"]), "--rope-dim", str(best["rope_dim"])]) == 0
+    a, e = load_file(str(out / "model-layers.safetensors")), load_file(str(explicit / "model-layers.safetensors"))
+    assert a.keys() == e.keys() and all(torch.equal(a[k], e[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_choose_by_heal_in_a_composite_picks_the_mla_step_split(tmp_path, capsys):
+    """`--to mla+dex --kv-budget F --choose-by heal`: the MLA step's finalists are healed with the recipe, DEX
+    runs on the one that healed best, and the composite's report keeps the MLA step's choice."""
+    import json
+
+    out, common, src = tmp_path / "out", *_heal_choice_setup(tmp_path)
+    best = _convert_choosing_by_heal(tmp_path, "mla+dex", src, out, [*common, "--heads", "all"], capsys)
+    report = json.loads((out / "attnkit_report.json").read_text())
+    assert report["method"] == "mla+dex" and report["mla"]["kv_budget"]["chosen_by"] == "heal"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "attnkit_deepseek_v3"
+
+
+def _heal_choice_setup(tmp_path):
+    """A tiny Llama (G 2, d 16: 64 cached values per token and layer), its calibration text and a short
+    healing recipe on it (`heal.yaml`); returns the convert arguments they need and the source folder."""
     import sys
     from pathlib import Path
 
     import yaml
-    from safetensors.torch import load_file
 
     sys.path.insert(0, str(Path(__file__).parent))
     from mla_fixtures import calib_folder, save_model
 
-    src = save_model(tmp_path / "src", "llama")  # G 2, d 16: 64 cached values per token and layer
+    src = save_model(tmp_path / "src", "llama")
     calib = calib_folder(tmp_path / "calib")
     recipe = tmp_path / "heal.yaml"
     recipe.write_text(yaml.safe_dump({
@@ -171,22 +201,23 @@ def test_choose_by_heal_writes_the_finalist_that_healed_best(tmp_path, capsys):
                   "lr": 1e-3, "warmup_steps": 1, "mixed_precision": "no"},
         "loss": {"ce_weight": 1.0, "kl_weight": 0.0, "hidden_weight": 30.0}, "log": {"tensorboard": False}}))
     common = ["--calib", str(calib), "--calib-tokens", "256", "--calib-seq-len", "32", "--eval-tokens", "64"]
-    out = tmp_path / "out"
-    assert main(["convert", "--to", "mla", str(src), "-o", str(out), *common, "--kv-budget", "0.5",
-                 "--choose-by", "heal", "--heal-recipe", str(recipe), "--heal-steps", "2", "--heal-candidates", "2"]) == 0
+    return common, src
+
+
+def _convert_choosing_by_heal(tmp_path, to, src, out, common, capsys) -> dict:
+    """Convert with `--kv-budget 0.5 --choose-by heal` (2 finalists, 2 steps each); check that OUT holds the
+    finalist of least validation loss and that nothing else was left behind; return that finalist."""
+    import json
+
+    assert main(["convert", "--to", to, str(src), "-o", str(out), *common, "--kv-budget", "0.5", "--choose-by", "heal",
+                 "--heal-recipe", str(tmp_path / "heal.yaml"), "--heal-steps", "2", "--heal-candidates", "2"]) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "attnkit_report.json").read_text())
-    choice = report["kv_budget"]["heal_choice"]
+    choice = report.get("mla", report)["kv_budget"]["heal_choice"]
     assert len(choice["finalists"]) == 2 and choice["steps"] == 2
     best = min(choice["finalists"], key=lambda f: f["heal_validation_loss"])
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (best["kv_lora_rank"], best["rope_dim"])
-    assert report["kv_budget"]["chosen"] == {"kv_lora_rank": best["kv_lora_rank"], "rope_dim": best["rope_dim"]}
-    assert report["kv_budget"]["chosen_by"] == "heal" and len(report["kv_budget"]["candidates"]) >= 3
     assert "--choose-by heal: chose" in printed and not (out / ".choose-by-heal").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib", "heal.yaml", "out", "src"]
-    explicit = tmp_path / "explicit"
-    assert main(["convert", "--to", "mla", str(src), "-o", str(explicit), *common, "--kv-lora-rank",
-                 str(best["kv_lora_rank"]), "--rope-dim", str(best["rope_dim"])]) == 0
-    a, e = load_file(str(out / "model-layers.safetensors")), load_file(str(explicit / "model-layers.safetensors"))
-    assert a.keys() == e.keys() and all(torch.equal(a[k], e[k]) for k in a)
+    return best
