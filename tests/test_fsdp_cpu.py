@@ -85,6 +85,21 @@ def base_overrides(pair: dict, steps: int) -> list[str]:
             "train.warmup_steps=1", "eval.tasks=null", "eval.every=0", "log.tensorboard=false"]
 
 
+def same_weights_constant_channel_kept(tmp_path: Path, pair: dict) -> tuple[dict, dict]:
+    """The FSDP and DDP runs' saved weights agree (1e-5) and neither moved layer 0's constant latent channel
+    (its kv_a_proj row and bias, its kv_a_layernorm weight, its kv_b_proj column); returns FSDP's and the start."""
+    a, b, start = weights(tmp_path / "fsdp"), weights(tmp_path / "ddp"), weights(pair["student"])
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    prefix = "model.layers.0.self_attn."
+    for w in (a, b):
+        assert torch.equal(w[prefix + "kv_a_proj_with_mqa.weight"][0], start[prefix + "kv_a_proj_with_mqa.weight"][0])
+        assert torch.equal(w[prefix + "kv_a_proj_with_mqa.bias"][0], start[prefix + "kv_a_proj_with_mqa.bias"][0])
+        assert torch.equal(w[prefix + "kv_b_proj.weight"][:, 0], start[prefix + "kv_b_proj.weight"][:, 0])
+        assert torch.equal(w[prefix + "kv_a_layernorm.weight"][0], start[prefix + "kv_a_layernorm.weight"][0])
+        assert not torch.equal(w[prefix + "kv_b_proj.weight"][:, 1], start[prefix + "kv_b_proj.weight"][:, 1])
+    return a, start
+
+
 def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     bench = load_benchmark("fsdp_cpu.py", "fsdp_cpu_bench")
     overrides = base_overrides(pair, 4)
@@ -108,17 +123,8 @@ def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     # the same batches give the same loss at every step (fp32)
     assert sorted(ddp["losses"]) == sorted(fsdp["losses"]) == [1, 2, 3, 4]
     assert bench.max_diff(fsdp["losses"], ddp["losses"]) < 1e-4
-    a, b, start = weights(tmp_path / "fsdp"), weights(tmp_path / "ddp"), weights(pair["student"])
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    a, start = same_weights_constant_channel_kept(tmp_path, pair)
     assert any(not torch.equal(a[k], start[k]) for k in a)
-    # the constant channel did not move under either
-    for w in (a, b):
-        prefix = "model.layers.0.self_attn."
-        assert torch.equal(w[prefix + "kv_a_proj_with_mqa.weight"][0], start[prefix + "kv_a_proj_with_mqa.weight"][0])
-        assert torch.equal(w[prefix + "kv_a_proj_with_mqa.bias"][0], start[prefix + "kv_a_proj_with_mqa.bias"][0])
-        assert torch.equal(w[prefix + "kv_b_proj.weight"][:, 0], start[prefix + "kv_b_proj.weight"][:, 0])
-        assert torch.equal(w[prefix + "kv_a_layernorm.weight"][0], start[prefix + "kv_a_layernorm.weight"][0])
-        assert not torch.equal(w[prefix + "kv_b_proj.weight"][:, 1], start[prefix + "kv_b_proj.weight"][:, 1])
 
     # resume under FSDP from the step-2 checkpoint (sharded model + optimizer, scheduler, RNG): a fresh
     # launch on a copy of the run folder finishes steps 3-4 exactly as the uninterrupted run did
@@ -147,8 +153,5 @@ def test_fsdp_trains_the_rest_at_rest_lr_as_ddp_does(pair, tmp_path):
     for run in runs.values():
         assert run["returncode"] == 0, run.get("stderr_tail")
     assert bench.max_diff(runs["fsdp"]["losses"], runs["ddp"]["losses"]) < 1e-4
-    a, b, start = weights(tmp_path / "fsdp"), weights(tmp_path / "ddp"), weights(pair["student"])
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    a, start = same_weights_constant_channel_kept(tmp_path, pair)
     assert not [k for k in a if torch.equal(a[k], start[k])]  # MLPs, norms and embeddings moved too
-    prefix = "model.layers.0.self_attn."
-    assert torch.equal(a[prefix + "kv_b_proj.weight"][:, 0], start[prefix + "kv_b_proj.weight"][:, 0])
