@@ -13,8 +13,9 @@ accelerate configs unchanged but for `--mixed_precision no` (fp32, so the two ca
 
 and writes one JSON: every command as run, the loss of every step (full precision, from each run's log.jsonl),
 the largest |FSDP - DDP| and |resumed - uninterrupted| loss differences, the final weights' largest difference,
-and per process: peak RSS (VmHWM of /proc/self/status at exit, the whole run, loading included), the
-training peak (VmHWM reset through /proc/self/clear_refs just before step 1, read after the last step),
+and per process: peak RSS (VmHWM of /proc/self/status) of the whole run and of its parts: loading (start to
+step 1), training (VmHWM reset through /proc/self/clear_refs just before step 1, read after the last step) and
+step 1 to exit (training and the export),
 and the bytes of the model state the process holds (local shards of DTensors: student weights, AdamW
 state, teacher weights), from a probe that wraps the trainer (PROBE below; the trainer itself is unchanged).
 
@@ -78,11 +79,20 @@ class Sampler(threading.Thread):
 
 seen = {"train_peak_rss": None}
 sampler = Sampler()
-real_load_teacher = ft.load_teacher
-def probed_load_teacher(*args, **kwargs):  # the runtime, tokenizer and data, before any model
-    seen.setdefault("anon_before_models", anon())
-    return real_load_teacher(*args, **kwargs)
-ft.load_teacher = probed_load_teacher
+def before_models(load):
+    def probed(*args, **kwargs):  # the runtime, tokenizer and data, before any model
+        seen.setdefault("anon_before_models", anon())
+        return load(*args, **kwargs)
+    return probed
+ft.load_teacher = before_models(ft.load_teacher)
+if hasattr(ft, "load_fsdp_teacher"):  # FSDP: the teacher read shard by shard
+    ft.load_fsdp_teacher = before_models(ft.load_fsdp_teacher)
+seen["whole_loads"] = []  # the models this process read whole (from_pretrained)
+real_load_causal_lm = ft.load_causal_lm
+def probed_load_causal_lm(path, *args, **kwargs):
+    seen["whole_loads"].append(str(path))
+    return real_load_causal_lm(path, *args, **kwargs)
+ft.load_causal_lm = probed_load_causal_lm
 
 def record_grad_norms(accelerator, model):
     """Step 1 only: each trainable tensor's whole gradient norm before clipping, by name (a collective
@@ -107,6 +117,7 @@ def probed_step(accelerator, model, teacher, cache, data_iter, optimizer, *args,
     if os.environ.get("KILL_AT") and step + 1 == int(os.environ["KILL_AT"]) and accelerator.is_main_process:
         os.kill(os.getpid(), signal.SIGKILL)
     if seen["train_peak_rss"] is None:
+        seen["load_peak_rss"] = status("VmHWM")  # start to step 1: both models loaded, sharded, optimizer built
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS now; what follows is the training peak
         seen["anon_before_training"] = anon()
@@ -131,7 +142,9 @@ ft._optimizer_step = probed_step
 from attnkit.finetune import main
 rc = main(sys.argv[1:])
 sampler.running = False
-probe = {**seen, "peak_rss": status("VmHWM"), "rss_at_exit": status("VmRSS")}
+since_step1 = status("VmHWM")  # training and the export (rank 0 gathers the whole student to write it)
+probe = {**seen, "step1_to_exit_peak_rss": since_step1, "peak_rss": max(seen.get("load_peak_rss") or 0, since_step1),
+         "rss_at_exit": status("VmRSS")}
 with open(os.path.join(os.environ["PROBE_DIR"], f"rank{seen['rank']}.json"), "w") as f:
     json.dump(probe, f)
 sys.exit(rc)
@@ -264,7 +277,7 @@ def summarize(runs: dict, baseline: str = "ddp") -> dict:
         out["resumed_from"] = resumed["resumed_from"]
         out["resumed_vs_uninterrupted_max_loss_diff"] = max_diff(resumed["losses"], runs["fsdp"]["losses"])
         out["resumed_steps"] = sorted(int(k) for k in resumed["losses"])
-    keys = ("peak_rss", "train_peak_rss", "anon_before_models", "anon_before_training", "train_peak_anon",
+    keys = ("peak_rss", "load_peak_rss", "train_peak_rss", "step1_to_exit_peak_rss", "anon_before_models", "anon_before_training", "train_peak_anon",
             "student_weights", "student_trainable_weights", "adam_state", "teacher_weights")
     out["memory_mib"] = {
         name: [{k: mb(p.get(k)) for k in keys} | {

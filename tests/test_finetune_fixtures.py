@@ -38,14 +38,14 @@ def build_tokenizer(corpus: Path, vocab_size: int = 300):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
 
 
-def save_llama(folder: Path, tokenizer, seed: int = 0, layers: int = 1) -> Path:
+def save_llama(folder: Path, tokenizer, seed: int = 0, layers: int = 1, tie: bool = True) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=tie, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

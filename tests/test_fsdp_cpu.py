@@ -64,7 +64,7 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     corpus = write_corpus(root / "corpus.jsonl")
     tok = build_tokenizer(corpus)
-    teacher = save_llama(root / "llama", tok, layers=2)
+    teacher = save_llama(root / "llama", tok, layers=2, tie=False)  # its embeddings and LM head: FSDP units of their own
     student = save_deepseek(root / "mla", tok, layers=2, attention_bias=True)  # the bias a constant channel needs
     return {"root": root, "corpus": corpus, "teacher": teacher, "student": with_constant_channel(student)}
 
@@ -116,8 +116,14 @@ def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     assert all(p["sharded_params"] == p["params"] > 0 for p in fsdp["probes"])
     for key in ("student_weights", "adam_state"):  # each process holds its shard: the two add up to DDP's copy
         assert sum(p[key] for p in fsdp["probes"]) == ddp["probes"][0][key]
-    assert all(p["teacher_weights"] < ddp["probes"][0]["teacher_weights"] for p in fsdp["probes"])
+    # the teacher sharded too, its untied embeddings and LM head included: only the final norm (32 fp32) is whole
+    assert sum(p["teacher_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["teacher_weights"] + 32 * 4
     assert any("teacher: 2 decoder layers sharded" in n for n in fsdp["notes"])
+    # no process but the main one reads a model whole: the others build the student empty (accelerate fills
+    # their shards from the main process's) and every process reads only its teacher shard from the checkpoint
+    by_rank = sorted(fsdp["probes"], key=lambda p: p["rank"])
+    assert [p["whole_loads"] for p in by_rank] == [[str(pair["student"])], []]
+    assert all(sorted(p["whole_loads"]) == sorted([str(pair["student"]), str(pair["teacher"])]) for p in ddp["probes"])
     assert "1 constant MLA latent channel(s) kept frozen (their gradients are zeroed)" in fsdp["notes"]
 
     # the same batches give the same loss at every step (fp32)

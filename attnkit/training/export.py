@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from attnkit.io.checkpoint import atomic_output_dir
+from attnkit.io.checkpoint import ShardedWriter, atomic_output_dir
+from attnkit.training.trainable import canonical_name
 
 CONVERT_REPORT = "attnkit_report.json"
 FINETUNE_REPORT = "finetune_report.json"
@@ -29,6 +31,18 @@ def final_model(model: torch.nn.Module, merge: bool) -> torch.nn.Module:
     return model
 
 
+def gathered_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor in `dtype`) for each entry of an FSDP2 model's state dict, one at a time: a sharded
+    entry is gathered when reached (a collective: every process runs through the whole iterator, in the same
+    order), so no process ever holds more than one whole tensor; `accelerator.get_state_dict` would gather
+    the whole model on the main process (a 70B student: 280 GB of host memory in fp32)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, value in model.state_dict().items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        yield canonical_name(name), whole.detach().to("cpu", dtype)
+
+
 def save_healed(
     model: torch.nn.Module,
     tokenizer,
@@ -37,19 +51,20 @@ def save_healed(
     force: bool,
     dtype: torch.dtype,
     report: dict,
-    state_dict: dict | None = None,
+    state_dict: dict | Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write OUT atomically: weights (input dtype), config, tokenizer, remote code, reports, README."""
+    """Write OUT atomically: weights (input dtype), config, tokenizer, remote code, reports, README.
+    `state_dict`: the weights gathered from FSDP/DeepSpeed shards, as a dict or streamed (`gathered_tensors`)."""
     with atomic_output_dir(out, force) as tmp:
         if state_dict is None:
             model.to(dtype).save_pretrained(tmp, safe_serialization=True)
-        else:  # gathered from FSDP/DeepSpeed shards
+        elif isinstance(state_dict, dict):  # gathered from DeepSpeed shards
             model.config.dtype = dtype
-            tied = getattr(model, "all_tied_weights_keys", None) or {}  # {target: source}, e.g. lm_head -> embed_tokens
-            # gathered copies share no storage, so save_pretrained would write a tied weight twice
-            drop = {k for k, source in tied.items() if k in state_dict and source in state_dict}
+            drop = tied_copies(model, state_dict)
             model.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in state_dict.items() if k not in drop},
                                   safe_serialization=True)
+        else:
+            _write_streamed(model, state_dict, tmp, dtype)
         tokenizer.save_pretrained(tmp)
         for src in student_path.glob("*.py"):  # remote modeling code referenced by auto_map
             if not (tmp / src.name).exists():
@@ -59,6 +74,30 @@ def save_healed(
         (tmp / FINETUNE_REPORT).write_text(json.dumps(report, indent=2, default=str))
         _write_card(tmp)
     return out
+
+
+def tied_copies(model: torch.nn.Module, names) -> set[str]:
+    """The names among `names` that are tied copies of another one in it (e.g. lm_head -> embed_tokens):
+    gathered copies share no storage, so they would be written twice."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}  # {target: source}
+    return {k for k, source in tied.items() if k in names and source in names}
+
+
+def _write_streamed(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], tmp: Path,
+                    dtype: torch.dtype) -> None:
+    """The weights written shard by shard as they arrive (attnkit's ShardedWriter), then the config."""
+    names = {canonical_name(n) for n in model.state_dict()}
+    drop = tied_copies(model, names)
+    writer = ShardedWriter(tmp, max_shard_bytes=5 * 1024**3)
+    for name, tensor in tensors:
+        if name not in drop:
+            writer.add(name, tensor)
+    writer.close()
+    model.config.dtype = dtype
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(tmp)
 
 
 def _copy_convert_report(student_path: Path, tmp: Path) -> None:

@@ -37,8 +37,8 @@ from attnkit.evaluation.ppl import VALIDATION, validation_text
 from attnkit.io.checkpoint import check_output_dir, weights_fingerprint
 from attnkit.io.public import local_folder
 from attnkit.io.resolve import BUNDLED, check_causal_lm, resolve_model
-from attnkit.training import batches, measure, state, teacher_cache, trainable
-from attnkit.training.export import final_model, input_dtype, save_healed
+from attnkit.training import batches, measure, sharded_load, state, teacher_cache, trainable
+from attnkit.training.export import final_model, gathered_tensors, input_dtype, save_healed
 from attnkit.training.losses import heal_loss
 from attnkit.training.recipe import Recipe, load_finetune_recipe
 from attnkit.sdpa import fused_kwargs
@@ -249,32 +249,22 @@ def load_teacher(path: Path | None, config: dict, device):
     return teacher
 
 
-def shard_teacher(teacher, accelerator) -> int:
-    """FSDP: the frozen teacher's decoder layers sharded over the processes like the student's (fully_shard
-    per layer, each its own unit: gathered for its forward, freed after). Its embeddings, final norm and
-    LM head stay whole on every process; they are a few % of a large model's weights, and keeping them out
-    of FSDP lets the trainer call the base model alone (no LM head) when only hidden states are matched.
-    The teacher arrives on the CPU: fully_shard moves each process's shard to the device of the default
-    mesh (the GPU of this process; the CPU under gloo), then the rest follows, so no device ever holds it whole.
-    Returns the number of layers sharded (0: no decoder-layer class known, the teacher stays replicated)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
-
-    names = set(getattr(teacher, "_no_split_modules", None) or [])
-    layers = [m for m in teacher.modules() if type(m).__name__ in names]
-    plugin = accelerator.state.fsdp_plugin
-    policy = plugin.mixed_precision_policy or MixedPrecisionPolicy()
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=True, mp_policy=policy)
-    with torch.no_grad():  # embeddings, final norm, LM head, rotary buffers: whole, on this process's device
-        for module in teacher.modules():
-            for name, param in module._parameters.items():
-                if param is not None and not isinstance(param, DTensor):
-                    param.data = param.data.to(accelerator.device)
-            for name, buffer in module._buffers.items():
-                if buffer is not None and not isinstance(buffer, DTensor):
-                    module._buffers[name] = buffer.to(accelerator.device)
-    return len(layers)
+def load_fsdp_teacher(path: Path, config: dict, accelerator) -> tuple[Any, int]:
+    """The frozen teacher under FSDP: its decoder layers sharded over the processes like the student's
+    (`sharded_load.shard_teacher_layers`), each process reading only what it keeps from the checkpoint
+    (`sharded_load.load_sharded`); a checkpoint whose names are not the model's is loaded whole on the
+    CPU first. Returns (teacher, number of layers sharded)."""
+    shard = lambda model: sharded_load.shard_teacher_layers(model, accelerator)  # noqa: E731
+    loaded = sharded_load.load_sharded(path, "auto_map" in config, accelerator.device, shard)
+    if loaded is None:
+        teacher = load_teacher(path, config, "cpu")
+        layers = shard(teacher)
+        sharded_load.whole_to_device(teacher, accelerator.device)
+        return teacher, layers
+    teacher, layers = loaded
+    teacher.eval().requires_grad_(False)
+    print(f"attnkit finetune: teacher loaded from {path}, this process's shards only", file=sys.stderr)
+    return teacher, layers
 
 
 # ------------------------------------------------------------------ the run
@@ -414,13 +404,12 @@ def _check_sharding(accelerator, recipe: Recipe, notes: list) -> bool:
 def _teacher_or_cache(accelerator, recipe: Recipe, inputs: Inputs, data: Data, notes: list):
     """The teacher in memory (under FSDP its decoder layers sharded like the student's), or, with a teacher
     cache, its targets on disk: (teacher, None) or (None, cache). Both None without a teacher."""
-    if data.cache_plan is None:  # under FSDP loaded on the CPU: only its shard goes to the device
-        fsdp = _is_fsdp(accelerator)
-        teacher = load_teacher(inputs.teacher_path, inputs.teacher_config, "cpu" if fsdp else accelerator.device)
-        if teacher is not None and fsdp:
-            layers = shard_teacher(teacher, accelerator)
-            notes.append(f"teacher: {layers} decoder layers sharded over {accelerator.num_processes} processes (FSDP)"
-                         if layers else "teacher: replicated on every process (no decoder-layer class to shard by)")
+    if data.cache_plan is None:
+        if inputs.teacher_path is None or not _is_fsdp(accelerator):
+            return load_teacher(inputs.teacher_path, inputs.teacher_config, accelerator.device), None
+        teacher, layers = load_fsdp_teacher(inputs.teacher_path, inputs.teacher_config, accelerator)
+        notes.append(f"teacher: {layers} decoder layers sharded over {accelerator.num_processes} processes (FSDP)"
+                     if layers else "teacher: replicated on every process (no decoder-layer class to shard by)")
         return teacher, None
     # the teacher runs once (main process, while the others wait), then never again
     cache, cache_note = _open_cache(accelerator, recipe, data.cache_plan, data.cache_fp, data.rows,
@@ -434,14 +423,14 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     """Load the student, choose what trains (or wrap it in LoRA), build AdamW, the LR schedule and the data
     loader, and hand all four to `accelerator.prepare` (DDP/FSDP/DeepSpeed wrapping, data sharding)."""
     t = recipe.train
-    model = load_causal_lm(inputs.student_path, inputs.trust)
+    model, channels = _load_student(accelerator, inputs)
     if t.trainable == "lora":
         model = trainable.apply_lora(model, t.lora)
         groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": t.lr}]
     else:
         chosen = trainable.select_trainable(model, t.trainable, t.patterns)
         groups = trainable.param_groups(model, chosen, t.lr, t.rest_lr)
-    protected = trainable.protect_constant_channels(model)
+    protected = trainable.protect_constant_channels(model, channels)
     if protected:
         notes.append(f"{protected} constant MLA latent channel(s) kept frozen (their gradients are zeroed)")
     masks = trainable.grad_masks(model)  # by name: FSDP replaces the parameters their hooks are on
@@ -454,6 +443,24 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
     masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
     return Training(model, optimizer, scheduler, loader, params, masked, trainable_desc)
+
+
+def _load_student(accelerator, inputs: Inputs) -> tuple[Any, dict[str, list[int]] | None]:
+    """The student, and its constant latent channels when they are read on another process. Under FSDP with
+    `fsdp_cpu_ram_efficient_loading` only the main process reads the checkpoint; the others build the model
+    on the meta device (accelerate's FSDP2 preparation fills their shards from the main process's weights)
+    and take the channels the main process found (`trainable.constant_channel_map`)."""
+    from accelerate.utils import broadcast_object_list
+
+    plugin = accelerator.state.fsdp_plugin if _is_fsdp(accelerator) else None
+    if plugin is None or not plugin.cpu_ram_efficient_loading:
+        return load_causal_lm(inputs.student_path, inputs.trust), None
+    if accelerator.is_main_process:
+        model = load_causal_lm(inputs.student_path, inputs.trust)
+        found = [trainable.constant_channel_map(model)]
+    else:
+        model, found = sharded_load.empty_causal_lm(inputs.student_path, inputs.trust), [None]
+    return model, broadcast_object_list(found, from_process=0)[0]
 
 
 def _open_run_dir(accelerator, recipe: Recipe, run_dir: Path) -> RunLog:
@@ -619,13 +626,19 @@ def _export(accelerator, recipe: Recipe, inputs: Inputs, model, sharded: bool, r
     """Write OUTPUT_DIR on the main process: the healed model (LoRA merged if asked; gathered first under
     FSDP/DeepSpeed, a collective every process joins), its tokenizer and the report; then end the run."""
     accelerator.wait_for_everyone()
-    full_state = accelerator.get_state_dict(model) if sharded else None  # gathered; a collective call
+    dtype = input_dtype(inputs.config)
+    if _is_fsdp(accelerator):  # gathered one tensor at a time as it is written (a collective per tensor)
+        full_state = gathered_tensors(accelerator.unwrap_model(model), dtype)
+    else:  # DeepSpeed: gathered whole on the main process (a collective call)
+        full_state = accelerator.get_state_dict(model) if sharded else None
     if accelerator.is_main_process:
         healed = final_model(accelerator.unwrap_model(model), recipe.train.lora.merge)
-        save_healed(healed, inputs.tokenizer, inputs.student_path, inputs.out, recipe.force,
-                    input_dtype(inputs.config), report, full_state)
+        save_healed(healed, inputs.tokenizer, inputs.student_path, inputs.out, recipe.force, dtype, report, full_state)
         log.write({"event": "saved", "output_dir": str(inputs.out)})
         print(finished_line(recipe.output_dir, report), flush=True)
+    elif _is_fsdp(accelerator):
+        for _ in full_state:  # the main process's gathers need every process
+            pass
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -108,20 +108,24 @@ def constant_latent_channels(attn: torch.nn.Module) -> list[int]:
     return [c for c in range(rank) if bool(weight[c].eq(0).all()) and float(bias[c]) != 0.0]
 
 
-def protect_constant_channels(model: torch.nn.Module) -> int:
+def constant_channel_map(model: torch.nn.Module) -> dict[str, list[int]]:
+    """{attention module name: its constant latent channels} (`constant_latent_channels`), modules with some."""
+    found = {name: constant_latent_channels(module) for name, module in model.named_modules()}
+    return {name: channels for name, channels in found.items() if channels}
+
+
+def protect_constant_channels(model: torch.nn.Module, channels: dict[str, list[int]] | None = None) -> int:
     """Zero the gradients that touch a constant latent channel; returns how many channels were protected.
+    `channels`: `constant_channel_map` as read elsewhere (a process whose weights are not loaded yet).
 
     Adam moves every weight by ~lr whatever its gradient's scale, so a kv_b_proj column that reads
     a 10⁵-sized constant would shift every key/value by lr·10⁵ in one step and wreck the model.
     With zero gradients Adam's moments stay zero and those entries never move.
     """
-    count = 0
-    for module in model.modules():
-        channels = constant_latent_channels(module)
-        if not channels:
-            continue
-        count += len(channels)
-        idx = torch.tensor(channels)
+    channels = constant_channel_map(model) if channels is None else channels
+    modules = dict(model.named_modules())
+    for name, constant in channels.items():
+        module, idx = modules[name], torch.tensor(constant)
         proj, up, norm = module.kv_a_proj_with_mqa, module.kv_b_proj, getattr(module, "kv_a_layernorm", None)
         _mask(getattr(proj, "base_layer", proj).weight, rows=idx)
         _mask(getattr(proj, "base_layer", proj).bias, rows=idx)
@@ -134,7 +138,7 @@ def protect_constant_channels(model: torch.nn.Module) -> int:
             _mask(lora_b.weight, rows=idx)  # and LoRA on kv_a_proj_with_mqa would write into it
         if norm is not None:
             _mask(norm.weight, rows=idx)
-    return count
+    return sum(len(c) for c in channels.values())
 
 
 def _adapters(layer: torch.nn.Module, kind: str) -> list[torch.nn.Module]:
@@ -145,7 +149,8 @@ def _adapters(layer: torch.nn.Module, kind: str) -> list[torch.nn.Module]:
 def _mask(param: torch.nn.Parameter, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> None:
     if not param.requires_grad:
         return
-    keep = torch.ones_like(param, dtype=torch.bool)
+    # a parameter on the meta device (an FSDP process that has not read its weights yet) gets a real mask
+    keep = torch.ones(param.shape, dtype=torch.bool, device="cpu" if param.is_meta else param.device)
     if rows is not None:
         keep[rows] = False
     if cols is not None:

@@ -1,0 +1,141 @@
+"""Models loaded under FSDP without a whole copy on every process.
+
+`from_pretrained` reads the whole checkpoint (in fp32, as the trainer runs) on every process, and FSDP then
+keeps each process's shard: with N processes on one host that is N whole copies of the student and N of the
+teacher at once, before training starts (a 70B pair on 8 GPUs: 16 × 280 GB of host memory). Here:
+
+* the **teacher** is built with its parameters on the meta device, its decoder layers (and untied embeddings
+  and LM head) are sharded (`shard_teacher_layers`), memory is allocated for this process's shards and its
+  whole parts only, and each is filled from the checkpoint one tensor at a time (`load_sharded`);
+* the **student** is read whole by the main process only; the others build it on the meta device
+  (`empty_causal_lm`) and accelerate's FSDP2 preparation (`fsdp_cpu_ram_efficient_loading`) fills their shards
+  from the main process's copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from attnkit.errors import AttnkitError
+from attnkit.io.checkpoint import LazyCheckpoint
+from attnkit.sdpa import fused_kwargs
+
+
+def empty_causal_lm(path: Path, trust_remote_code: bool) -> torch.nn.Module:
+    """The causal LM of `path`'s config, fp32, its parameters on the meta device (no memory) and its
+    buffers real: the RoPE tables are computed when the model is built and are not in the checkpoint."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
+                                                     **fused_kwargs(path))
+    except Exception as exc:
+        raise AttnkitError(f"cannot build {path} as a causal LM: {str(exc).splitlines()[0]}") from None
+    _tie(model)  # from_pretrained ties after loading; from_config leaves the LM head its own (meta) weight
+    return model
+
+
+def _tie(model: torch.nn.Module) -> None:
+    if getattr(model.config, "tie_word_embeddings", False) and hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def missing_from_checkpoint(model: torch.nn.Module, ckpt: LazyCheckpoint) -> list[str]:
+    """The model's parameters (tied ones once) that the checkpoint does not hold under the same name:
+    a model whose class renames its checkpoint's keys cannot be filled tensor by tensor."""
+    return [name for name, _ in model.named_parameters() if name not in ckpt]
+
+
+def load_sharded(path: Path, trust_remote_code: bool, device: torch.device,
+                 shard: Callable[[torch.nn.Module], int]) -> tuple[torch.nn.Module, int] | None:
+    """The model of `path` with `shard(model)` applied on the meta device (it returns how many modules it
+    sharded), then this process's shards and the unsharded parameters allocated on `device` and read from
+    the checkpoint; buffers keep their computed values. None when the checkpoint's names are not the
+    model's (the caller loads it whole instead)."""
+    model = empty_causal_lm(path, trust_remote_code)
+    ckpt = LazyCheckpoint(path)
+    if missing_from_checkpoint(model, ckpt):
+        return None
+    sharded = shard(model)
+    materialize(model, device)
+    fill_from_checkpoint(model, ckpt, device)
+    return model, sharded
+
+
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Memory on `device` for every parameter (a sharded one: this process's shard only, `to_empty`),
+    the buffers' values kept and tied weights tied again (`to_empty` makes new tensors of both)."""
+    buffers = {name: b for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    for name, value in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._buffers[attr] = value.to(device)
+    _tie(model)
+
+
+@torch.no_grad()
+def fill_from_checkpoint(model: torch.nn.Module, ckpt: LazyCheckpoint, device: torch.device) -> None:
+    """Every parameter read from the checkpoint, one whole tensor at a time (fp32 on `device`); a sharded
+    parameter (DTensor) keeps the rows of its own shard, as `distribute_tensor` lays them out."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in model.named_parameters():
+        full = ckpt.get(name, dtype=param.dtype, device=device)
+        if tuple(full.shape) != tuple(param.shape):
+            raise AttnkitError(f"{name} in {ckpt.folder} has shape {tuple(full.shape)}, its config makes {tuple(param.shape)}")
+        if isinstance(param, DTensor):
+            mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(mine.to_local())
+        else:
+            param.copy_(full)
+        del full
+
+
+def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
+    """FSDP: the frozen teacher sharded over the processes like the student (fully_shard per decoder layer,
+    each its own unit: gathered for its forward, freed after), and its input embeddings and LM head each a
+    unit of their own when they are two tensors (a 70B model's are 8.4 GB in fp32). Tied ones, the final norm
+    and the rotary tables stay whole on every process. Units below the top level let the trainer call the
+    base model alone (no LM head) when only hidden states are matched. fully_shard moves each process's shard
+    to the device of the default mesh (the GPU of this process; the CPU under gloo), so no device ever holds
+    it whole; on the meta device the shards stay there. Returns the number of decoder layers sharded
+    (0: no decoder-layer class known, the teacher stays replicated)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    names = set(getattr(teacher, "_no_split_modules", None) or [])
+    layers = [m for m in teacher.modules() if type(m).__name__ in names]
+    plugin = accelerator.state.fsdp_plugin
+    policy = plugin.mixed_precision_policy or MixedPrecisionPolicy()
+    for unit in layers + (_untied_embeddings(teacher) if layers else []):
+        fully_shard(unit, reshard_after_forward=True, mp_policy=policy)
+    return len(layers)
+
+
+def _untied_embeddings(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """[input embeddings, LM head] when they hold two different weights; [] when tied or absent."""
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if inp is None or out is None or out.weight is inp.weight:
+        return []
+    return [inp, out]
+
+
+def whole_to_device(teacher: torch.nn.Module, device: torch.device) -> None:
+    """Embeddings, final norm, LM head, rotary buffers (what is not sharded) moved whole to `device`."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for module in teacher.modules():
+            for param in module._parameters.values():
+                if param is not None and not isinstance(param, DTensor):
+                    param.data = param.data.to(device)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not isinstance(buffer, DTensor):
+                    module._buffers[name] = buffer.to(device)
