@@ -83,9 +83,13 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
 @torch.no_grad()
 def fill_from_checkpoint(model: torch.nn.Module, ckpt: LazyCheckpoint, device: torch.device) -> None:
     """Every parameter read from the checkpoint, one whole tensor at a time (fp32 on `device`); a sharded
-    parameter (DTensor) keeps the rows of its own shard, as `distribute_tensor` lays them out."""
+    parameter (DTensor) keeps the rows of its own shard, as `distribute_tensor` lays them out. A buffer the
+    checkpoint also holds (a persistent one) takes the checkpoint's value, as `from_pretrained` gives it."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    for name, buffer in model.named_buffers():
+        if name in ckpt:
+            buffer.copy_(ckpt.get(name, dtype=buffer.dtype, device=device))
     for name, param in model.named_parameters():
         full = ckpt.get(name, dtype=param.dtype, device=device)
         if tuple(full.shape) != tuple(param.shape):
