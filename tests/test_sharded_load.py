@@ -1,0 +1,72 @@
+"""The FSDP teacher built on the meta device, sharded and filled from its checkpoint tensor by tensor
+(`attnkit/training/sharded_load.py`) is the model `from_pretrained` loads: the same logits (fp32, exact) for
+every real config under tests/data/configs (tied and untied embeddings, biases, fused qkv, softcapping,
+llama3 / yarn / longrope RoPE), and no fallback to the whole load.
+
+Run in a subprocess: `fully_shard` needs a process group (gloo, a world of one), which must not outlive the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_fsdp_cpu import fsdp_on_cpu_unavailable
+from test_real_configs import NAMES
+
+pytestmark = pytest.mark.skipif(fsdp_on_cpu_unavailable() is not None, reason=str(fsdp_on_cpu_unavailable()))
+
+SCRIPT = r'''
+import json, sys, types
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, sys.argv[2])
+from test_real_configs import NAMES, build
+from attnkit.training import sharded_load
+from attnkit.training.finetune import load_causal_lm
+
+root = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
+plugin = types.SimpleNamespace(mixed_precision_policy=MixedPrecisionPolicy())
+accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin))
+out = {}
+for name in NAMES:
+    src = build(name, root / name)
+    whole = load_causal_lm(src, False).eval()
+    loaded = sharded_load.load_sharded(src, False, torch.device("cpu"),
+                                       lambda m: sharded_load.shard_teacher_layers(m, accelerator))
+    if loaded is None:
+        out[name] = None
+        continue
+    model, layers = loaded
+    ids = torch.randint(0, whole.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = float((model.eval()(ids).logits - whole(ids).logits).abs().max())
+    head = model.get_output_embeddings().weight
+    out[name] = {"diff": diff, "layers": layers, "tied": whole.config.tie_word_embeddings,
+                 "head_sharded": isinstance(head, DTensor)}
+dist.destroy_process_group()
+print(json.dumps(out))
+'''
+
+
+def test_sharded_teacher_equals_from_pretrained_on_every_real_config(tmp_path):
+    tests = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(tests)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(results) == sorted(NAMES)
+    for name, r in results.items():
+        assert r is not None, f"{name}: fell back to the whole load (checkpoint names are not the model's)"
+        assert r["diff"] == 0.0, (name, r)
+        assert r["layers"] == 2, (name, r)
+        assert r["head_sharded"] == (not r["tied"]), (name, r)  # untied LM heads are FSDP units of their own
