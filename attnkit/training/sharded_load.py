@@ -89,17 +89,23 @@ def fill_from_checkpoint(model: torch.nn.Module, ckpt: LazyCheckpoint, device: t
 
     for name, buffer in model.named_buffers():
         if name in ckpt:
-            buffer.copy_(ckpt.get(name, dtype=buffer.dtype, device=device))
+            buffer.copy_(_read(ckpt, name, buffer, device))
     for name, param in model.named_parameters():
-        full = ckpt.get(name, dtype=param.dtype, device=device)
-        if tuple(full.shape) != tuple(param.shape):
-            raise AttnkitError(f"{name} in {ckpt.folder} has shape {tuple(full.shape)}, its config makes {tuple(param.shape)}")
+        full = _read(ckpt, name, param, device)
         if isinstance(param, DTensor):
             mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(mine.to_local())
         else:
             param.copy_(full)
-        del full
+
+
+def _read(ckpt: LazyCheckpoint, name: str, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The checkpoint's tensor `name` in `like`'s dtype on `device`, refused in one line when its shape is not
+    `like`'s (the global shape for a sharded parameter)."""
+    full = ckpt.get(name, dtype=like.dtype, device=device)
+    if tuple(full.shape) != tuple(like.shape):
+        raise AttnkitError(f"{name} in {ckpt.folder} has shape {tuple(full.shape)}, its config makes {tuple(like.shape)}")
+    return full
 
 
 def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
