@@ -432,3 +432,30 @@ def test_a_diverged_loss_stops_the_run_in_one_line_and_writes_nothing(tiny, tmp_
     assert "loss nan" in last and "grad_norm nan" in last
     assert "train.lr, now 0.01" in last
     assert calls["n"] == 3 and not (tmp_path / "out").exists()  # stopped at once; no model written
+
+
+@given(n=st.integers(1, 9), world=st.integers(1, 8))
+@settings(max_examples=60, deadline=None)
+def test_validation_rows_are_even_over_processes_and_keep_the_mean(n, world):
+    """Every process must run as many validation forwards (they are collectives under DDP/FSDP: a process
+    with one forward more waits forever); a split shorter than the process count is repeated whole."""
+    from attnkit.training.batches import even_validation_rows
+
+    rows = torch.arange(n).unsqueeze(1).repeat(1, 3)  # [n, 3], row i filled with i
+    even = even_validation_rows(rows, world)
+    assert len(even) % world == 0 and len(even) > 0
+    shares = [even[rank::world] for rank in range(world)]
+    assert len({len(s) for s in shares}) == 1
+    if n >= world:
+        assert torch.equal(even, rows[: len(even)]) and len(even) > n - world
+    else:  # each row counted equally often: the mean over the repeated set is the rows' mean
+        counts = torch.bincount(even[:, 0], minlength=n)
+        assert len(set(counts.tolist())) == 1
+        assert even.float().mean() == rows.float().mean()
+
+
+def test_validation_rows_refuse_an_empty_split():
+    from attnkit.training.batches import even_validation_rows
+
+    with pytest.raises(AttnkitError, match="no row"):
+        even_validation_rows(torch.zeros(0, 4, dtype=torch.long), 2)

@@ -86,6 +86,7 @@ def test_two_processes_match_one_with_double_batch(tiny, tmp_path):
     recipe = base_recipe(tmp_path, tiny["mla"], tiny["llama"], tiny["corpus"])
     recipe["train"]["max_steps"] = 4
     recipe["loss"]["hidden_weight"] = 1.0  # the per-layer term averages like the others across processes
+    recipe["data"]["val_tokens"] = 16  # one held-out row for two processes: both must still score it
     path = write_recipe(tmp_path / "r.yaml", **recipe)
 
     in_process(path, f"output_dir={tmp_path / 'one'}", "train.per_device_batch_size=4")
@@ -103,3 +104,7 @@ def test_two_processes_match_one_with_double_batch(tiny, tmp_path):
     assert report["tokens_seen"] == json.loads((tmp_path / "one" / "finetune_report.json").read_text())["tokens_seen"]
     assert trained_changed(tmp_path / "one", tiny["mla"])
     assert_same_weights(tmp_path / "one", tmp_path / "two", atol=2e-5)
+    one_report = json.loads((tmp_path / "one" / "finetune_report.json").read_text())
+    assert report["validation_text"]["rows"] == one_report["validation_text"]["rows"] == 1
+    for when in ("eval_before", "eval_after"):
+        assert report[when]["validation"]["loss"] == pytest.approx(one_report[when]["validation"]["loss"], abs=2e-5)

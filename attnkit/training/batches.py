@@ -9,6 +9,8 @@ batches with `accelerator.skip_first_batches`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -87,6 +89,19 @@ def check_enough(rows: torch.Tensor, rows_per_step: int, source: str) -> None:
             f"dataset {source!r} gives {len(rows)} training rows, fewer than one batch "
             f"({rows_per_step} rows = per-device batch × processes × grad_accum)"
         )
+
+
+def even_validation_rows(rows: torch.Tensor, world: int) -> torch.Tensor:
+    """The held-out rows [n, L] cut or tiled to a multiple of the process count, so that every process runs
+    the same number of forwards (DDP and FSDP forwards are collectives: one process with a forward more than
+    another waits forever). n ≥ W: the last n mod W rows are dropped. 0 < n < W: the whole set is repeated
+    W / gcd(n, W) times, so each row is counted equally often and the mean loss is the one of the n rows.
+    """
+    if len(rows) == 0:
+        raise AttnkitError("the validation split gives no row of data.seq_len tokens; lower data.seq_len")
+    if len(rows) >= world:
+        return rows[: len(rows) // world * world]
+    return rows.repeat(world // math.gcd(len(rows), world), 1)  # [n·k, L], n·k a multiple of W
 
 
 def train_loader(dataset: EpochRows, per_device: int) -> DataLoader:

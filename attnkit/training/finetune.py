@@ -297,6 +297,7 @@ class Data:
     rows_per_step: int  # over all processes and micro-batches
     rows: torch.Tensor  # the distinct training rows [n, L]
     val_rows: torch.Tensor  # [m, L], m a multiple of the process count
+    val_distinct: int  # how many of the m rows differ (fewer than m when a short split is repeated)
     dataset: batches.EpochRows
     cache_fp: str | None  # teacher cache: its fingerprint and plan ("build" / reuse), None without one
     cache_plan: str | None
@@ -379,7 +380,11 @@ def _plan_data(accelerator, recipe: Recipe, inputs: Inputs, notes: list) -> Data
         notes.append(f"data: {len(rows)} distinct rows for {total_steps * rows_per_step} rows seen (several epochs)")
     val_rows = pack_tokens(inputs.tokenizer, recipe.data.source, "validation", recipe.data.seq_len,
                            recipe.data.val_tokens, 0)
-    val_rows = val_rows[: max(1, len(val_rows) // world) * world]  # equal forward counts on every process
+    val_distinct = len(val_rows)
+    if 0 < val_distinct < world:
+        notes.append(f"validation: {len(val_rows)} held-out row(s) for {world} processes, repeated so that each "
+                     "process scores as many (the mean loss is unchanged)")
+    val_rows = batches.even_validation_rows(val_rows, world)
     dataset = batches.EpochRows(rows, total_steps * rows_per_step, recipe.data.seed)
     cache_cfg, cache_fp, cache_plan = recipe.teacher_cache, None, None
     if cache_cfg is not None and inputs.teacher_path is not None:  # refuse a stale cache before anything is written
@@ -388,7 +393,7 @@ def _plan_data(accelerator, recipe: Recipe, inputs: Inputs, notes: list) -> Data
             dataset.used_rows(), recipe.loss.temperature, cache_cfg.top_k, cache_cfg.dtype,
         )
         cache_plan = teacher_cache.plan(Path(cache_cfg.dir), cache_fp, cache_cfg.rebuild)
-    return Data(total_steps, rows_per_step, rows, val_rows, dataset, cache_fp, cache_plan)
+    return Data(total_steps, rows_per_step, rows, val_rows, val_distinct, dataset, cache_fp, cache_plan)
 
 
 def _check_sharding(accelerator, recipe: Recipe, notes: list) -> bool:
@@ -614,7 +619,7 @@ def _report(accelerator, recipe: Recipe, config_path: str | None, inputs: Inputs
         "eval_curve": trainer_state["eval_curve"],
         "eval_before": trainer_state["eval_before"],
         "eval_after": eval_after,
-        "validation_text": {"rows": int(len(data.val_rows)), "seq_len": recipe.data.seq_len},  # what validation ppl is on
+        "validation_text": {"rows": data.val_distinct, "seq_len": recipe.data.seq_len},  # what validation ppl is on
         "eval_teacher": trainer_state.get("eval_teacher"),
         "trainable": f"{recipe.train.trainable}: {training.trainable_desc}",
         "load": {"trust_remote_code": inputs.trust},
