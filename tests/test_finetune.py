@@ -393,6 +393,32 @@ def test_constant_latent_channel_is_protected(tiny):
     assert lora_b.grad[rank - 1].abs().max() == 0 and lora_b.grad[0].abs().max() > 0
 
 
+def test_constant_channels_read_from_the_checkpoint_match_the_loaded_model(tiny, tmp_path):
+    """Under FSDP the student is built on the meta device and its constant channels are read from the
+    checkpoint (`sharded_load.empty_student`): the same channels as from the loaded model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from attnkit.training import sharded_load
+    from attnkit.training.trainable import constant_channel_map
+
+    config = AutoConfig.from_pretrained(tiny["mla"])
+    config.attention_bias, config.num_hidden_layers, config.first_k_dense_replace = True, 2, 2  # dense, as converted
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer, channel in ((0, 3), (1, 0), (1, 5)):
+            proj = model.model.layers[layer].self_attn.kv_a_proj_with_mqa
+            proj.weight[channel].zero_()
+            proj.bias[channel] = 7.0
+        model.model.layers[0].self_attn.kv_a_proj_with_mqa.weight[1].zero_()  # zero row, zero bias: not constant
+        model.model.layers[0].self_attn.kv_a_proj_with_mqa.bias[1] = 0.0
+    model.save_pretrained(tmp_path / "m")
+    expected = {"model.layers.0.self_attn": [3], "model.layers.1.self_attn": [0, 5]}
+    assert constant_channel_map(model) == expected
+    empty, channels = sharded_load.empty_student(tmp_path / "m", False)
+    assert channels == expected and all(p.is_meta for p in empty.parameters())
+
+
 def test_position_ppl_scores_every_token_once_like_lm_eval(tiny):
     """position_ppl's buckets partition exactly the tokens lm-eval's rolling windows score."""
     from transformers import AutoModelForCausalLM

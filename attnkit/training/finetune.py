@@ -428,7 +428,7 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     """Load the student, choose what trains (or wrap it in LoRA), build AdamW, the LR schedule and the data
     loader, and hand all four to `accelerator.prepare` (DDP/FSDP/DeepSpeed wrapping, data sharding)."""
     t = recipe.train
-    model, channels = _load_student(accelerator, inputs)
+    model, channels, fill_after = _load_student(accelerator, inputs)
     if t.trainable == "lora":
         model = trainable.apply_lora(model, t.lora)
         groups = [{"params": [p for p in model.parameters() if p.requires_grad], "lr": t.lr}]
@@ -444,28 +444,35 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     scheduler = build_scheduler(optimizer, data.total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio,
                                 t.decay_fraction)
     loader = batches.train_loader(data.dataset, t.per_device_batch_size)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    with sharded_load.shards_only(accelerator) if fill_after else contextlib.nullcontext():
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if fill_after:
+        sharded_load.fill_prepared(model, inputs.student_path, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
     masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
     return Training(model, optimizer, scheduler, loader, params, masked, trainable_desc)
 
 
-def _load_student(accelerator, inputs: Inputs) -> tuple[Any, dict[str, list[int]] | None]:
-    """The student, and its constant latent channels when they are read on another process. Under FSDP with
-    `fsdp_cpu_ram_efficient_loading` only the main process reads the checkpoint; the others build the model
-    on the meta device (accelerate's FSDP2 preparation fills their shards from the main process's weights)
-    and take the channels the main process found (`trainable.constant_channel_map`)."""
+def _load_student(accelerator, inputs: Inputs) -> tuple[Any, dict[str, list[int]] | None, bool]:
+    """(the student, its constant latent channels when found without its weights, whether its shards are
+    filled after `accelerator.prepare`). Under FSDP every process builds it on the meta device and reads its
+    own shards after preparation (`sharded_load`); when the checkpoint's names are not the model's, with
+    `fsdp_cpu_ram_efficient_loading` only the main process reads it (accelerate broadcasts its weights) and
+    the others take the channels it found."""
     from accelerate.utils import broadcast_object_list
 
     plugin = accelerator.state.fsdp_plugin if _is_fsdp(accelerator) else None
+    empty = sharded_load.empty_student(inputs.student_path, inputs.trust) if plugin is not None else None
+    if empty is not None:
+        return *empty, True
     if plugin is None or not plugin.cpu_ram_efficient_loading:
-        return load_causal_lm(inputs.student_path, inputs.trust), None
+        return load_causal_lm(inputs.student_path, inputs.trust), None, False
     if accelerator.is_main_process:
         model = load_causal_lm(inputs.student_path, inputs.trust)
         found = [trainable.constant_channel_map(model)]
     else:
         model, found = sharded_load.empty_causal_lm(inputs.student_path, inputs.trust), [None]
-    return model, broadcast_object_list(found, from_process=0)[0]
+    return model, broadcast_object_list(found, from_process=0)[0], False
 
 
 def _open_run_dir(accelerator, recipe: Recipe, run_dir: Path) -> RunLog:

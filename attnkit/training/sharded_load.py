@@ -7,14 +7,17 @@ teacher at once, before training starts (a 70B pair on 8 GPUs: 16 × 280 GB of h
 * the **teacher** is built with its parameters on the meta device, its decoder layers (and untied embeddings
   and LM head) are sharded (`shard_teacher_layers`), memory is allocated for this process's shards and its
   whole parts only, and each is filled from the checkpoint one tensor at a time (`load_sharded`);
-* the **student** is read whole by the main process only; the others build it on the meta device
-  (`empty_causal_lm`) and accelerate's FSDP2 preparation (`fsdp_cpu_ram_efficient_loading`) fills their shards
-  from the main process's copy.
+* the **student** is built the same way on every process (`empty_student`), accelerate's FSDP2 preparation
+  shards it on the meta device with its own loading turned off (`shards_only`), and each process then fills
+  its shards from the checkpoint one tensor at a time (`fill_prepared`). No process reads it whole: with
+  accelerate's `fsdp_cpu_ram_efficient_loading` alone, the main process would read it whole in fp32 and
+  broadcast it. A checkpoint whose names are not the model's falls back to accelerate's loading.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint
 from attnkit.sdpa import fused_kwargs
+from attnkit.training.trainable import canonical_name, constant_channel_map
 
 
 def empty_causal_lm(path: Path, trust_remote_code: bool) -> torch.nn.Module:
@@ -68,6 +72,36 @@ def load_sharded(path: Path, trust_remote_code: bool, device: torch.device,
     return model, sharded
 
 
+def empty_student(path: Path, trust_remote_code: bool) -> tuple[torch.nn.Module, dict[str, list[int]]] | None:
+    """The student on the meta device and its constant MLA latent channels (`trainable.constant_channel_map`,
+    their projections read from the checkpoint), or None when the checkpoint's names are not the model's."""
+    model = empty_causal_lm(path, trust_remote_code)
+    ckpt = LazyCheckpoint(path)
+    if missing_from_checkpoint(model, ckpt):
+        return None
+    return model, constant_channel_map(model, ckpt)
+
+
+@contextmanager
+def shards_only(accelerator) -> Iterator[None]:
+    """accelerate's FSDP2 preparation of a model on the meta device, without its own loading: with
+    `cpu_ram_efficient_loading` it would broadcast the main process's weights, which are not read yet."""
+    plugin = accelerator.state.fsdp_plugin
+    was, plugin.cpu_ram_efficient_loading = plugin.cpu_ram_efficient_loading, False
+    try:
+        yield
+    finally:
+        plugin.cpu_ram_efficient_loading = was
+
+
+def fill_prepared(model: torch.nn.Module, path: Path, device: torch.device) -> None:
+    """A model sharded on the meta device (by accelerate or `shard`): this process's shards allocated on
+    `device`, then read from the checkpoint. The parameter objects stay the ones the optimizer holds
+    (`to_empty` swaps a DTensor's contents in place)."""
+    materialize(model, device)
+    fill_from_checkpoint(model, LazyCheckpoint(path), device)
+
+
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Memory on `device` for every parameter (a sharded one: this process's shard only, `to_empty`),
     the buffers' values kept and tied weights tied again (`to_empty` makes new tensors of both)."""
@@ -88,10 +122,10 @@ def fill_from_checkpoint(model: torch.nn.Module, ckpt: LazyCheckpoint, device: t
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for name, buffer in model.named_buffers():
-        if name in ckpt:
-            buffer.copy_(_read(ckpt, name, buffer, device))
-    for name, param in model.named_parameters():
-        full = _read(ckpt, name, param, device)
+        if canonical_name(name) in ckpt:
+            buffer.copy_(_read(ckpt, canonical_name(name), buffer, device))
+    for name, param in model.named_parameters():  # names in activation-checkpoint wrappers made canonical
+        full = _read(ckpt, canonical_name(name), param, device)
         if isinstance(param, DTensor):
             mine = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(mine.to_local())

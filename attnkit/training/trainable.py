@@ -8,10 +8,12 @@ learns, everything the source model had stays frozen. The recipe declares the na
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
 from attnkit.errors import AttnkitError
+from attnkit.io.checkpoint import LazyCheckpoint
 
 ATTENTION_PATTERN = r"(^|\.)self_attn\."
 
@@ -91,8 +93,9 @@ def describe(model: torch.nn.Module) -> str:
     return f"{train:,} of {total:,} parameters ({100 * train / max(1, total):.2f} %)"
 
 
-def constant_latent_channels(attn: torch.nn.Module) -> list[int]:
+def constant_latent_channels(attn: torch.nn.Module, read: Callable[[str], torch.Tensor] | None = None) -> list[int]:
     """MLA latent channels that carry a constant (zero weight row, non-zero bias in kv_a_proj_with_mqa).
+    `read(attr)`: that projection's "weight"/"bias" from elsewhere (the checkpoint, for a model on the meta device).
 
     `attnkit convert --to mla` reserves such a channel so that `kv_a_layernorm` acts as a fixed
     scale (docs/mla.md, step 6 `native`); its activation is ~10⁵× the others.
@@ -104,13 +107,19 @@ def constant_latent_channels(attn: torch.nn.Module) -> list[int]:
     if getattr(proj, "bias", None) is None:
         return []
     rank = getattr(up, "base_layer", up).in_features
-    weight, bias = proj.weight.detach()[:rank], proj.bias.detach()[:rank]  # [r, D], [r]
+    weight, bias = (read("weight"), read("bias")) if read else (proj.weight.detach(), proj.bias.detach())
+    weight, bias = weight[:rank], bias[:rank]  # [r, D], [r]: the latent rows (the RoPE key's rows follow)
     return [c for c in range(rank) if bool(weight[c].eq(0).all()) and float(bias[c]) != 0.0]
 
 
-def constant_channel_map(model: torch.nn.Module) -> dict[str, list[int]]:
-    """{attention module name: its constant latent channels} (`constant_latent_channels`), modules with some."""
-    found = {name: constant_latent_channels(module) for name, module in model.named_modules()}
+def constant_channel_map(model: torch.nn.Module, ckpt: LazyCheckpoint | None = None) -> dict[str, list[int]]:
+    """{attention module name: its constant latent channels} (`constant_latent_channels`), modules with some;
+    the weights read from `ckpt` one tensor at a time when given (the model may be on the meta device)."""
+    found = {}
+    for name, module in model.named_modules():
+        prefix = f"{canonical_name(name)}.kv_a_proj_with_mqa."
+        read = None if ckpt is None else (lambda attr, prefix=prefix: ckpt.get(prefix + attr, dtype=torch.float32))
+        found[name] = constant_latent_channels(module, read)
     return {name: channels for name, channels in found.items() if channels}
 
 
