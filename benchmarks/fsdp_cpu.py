@@ -135,6 +135,7 @@ def probed_step(accelerator, model, teacher, cache, data_iter, optimizer, *args,
         adam_state=local_bytes(state),
         teacher_weights=local_bytes(teacher.parameters()) if teacher is not None else 0,
         sharded_params=sum(type(p).__name__ == "DTensor" for p in params), params=len(params),
+        cuda_max_allocated=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
     )
     return out
 ft._optimizer_step = probed_step
@@ -163,7 +164,7 @@ def free_port() -> int:
 
 
 def launch(kind: str, work: Path, name: str, overrides: list[str], procs: int = 2, kill_at: int | None = None,
-           timeout: int = 900, env_extra: dict | None = None) -> dict:
+           timeout: int = 900, env_extra: dict | None = None, mixed_precision: str = "no") -> dict:
     """One `accelerate launch` of the recipe under CONFIGS[kind]; returns the command, exit status, seconds,
     the loss per step (log.jsonl of this launch), the report's loss curve and each process's probe."""
     runner = work / "probe_runner.py"
@@ -174,7 +175,7 @@ def launch(kind: str, work: Path, name: str, overrides: list[str], procs: int = 
     out = work / name
     rel = lambda p: os.path.relpath(p, ROOT)  # noqa: E731  (the launch runs in the repository root)
     cmd = ["accelerate", "launch", "--config_file", rel(CONFIGS[kind]), "--num_processes", str(procs),
-           "--mixed_precision", "no", "--main_process_port", str(free_port()), str(runner),
+           "--mixed_precision", mixed_precision, "--main_process_port", str(free_port()), str(runner),
            "--config", rel(RECIPE), *overrides, f"output_dir={out}", f"run_dir={out}.run"]
     env = {**os.environ, **ENV, **(env_extra or {}), "PROBE_DIR": str(probes)}
     env.pop("ACCELERATE_USE_CPU", None)  # the configs as a user runs them
@@ -183,7 +184,8 @@ def launch(kind: str, work: Path, name: str, overrides: list[str], procs: int = 
     log_file = out.with_name(out.name + ".run") / "log.jsonl"
     lines_before = len(log_file.read_text().splitlines()) if log_file.is_file() else 0
     began = time.perf_counter()
-    proc = subprocess.run([shutil.which("accelerate") or "accelerate", *cmd[1:]], env=env, capture_output=True,
+    # `accelerate launch` as this interpreter's module: the same launcher where its script is not on PATH
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *cmd[2:]], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
     user = cmd[: cmd.index(str(runner))] + ["-m", "attnkit.finetune"] + cmd[cmd.index(str(runner)) + 1:]
     result = {"command": shlex.join(cmd), "without_probe": shlex.join(user), "env": {**ENV, **(env_extra or {}), **({"KILL_AT": str(kill_at)} if kill_at else {})},
