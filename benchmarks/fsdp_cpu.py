@@ -317,6 +317,8 @@ def main() -> None:
     parser.add_argument("--grad-norms", action="store_true",
                         help="record each trainable tensor's step-1 gradient norm (before clipping) in both runs and "
                              "report the tensors that differ most")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for every run (e.g. train.lr=5e-5); repeatable")
     parser.add_argument("-o", "--output", default="benchmarks/results/fsdp_cpu.json")
     args = parser.parse_args()
 
@@ -324,7 +326,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     overrides = [f"train.max_steps={args.steps}", f"data.seq_len={args.seq_len}",
                  f"train.per_device_batch_size={args.batch}", f"data.val_tokens={2 * args.seq_len * 2}",
-                 "eval.tasks=null", "eval.every=0", "log.tensorboard=false", f"train.trainable={args.trainable}"]
+                 "eval.tasks=null", "eval.every=0", "log.tensorboard=false", f"train.trainable={args.trainable}",
+                 *args.set]
     if args.wide:
         hidden, layers = (int(x) for x in args.wide.lower().split("x"))
         student, teacher = build_wide(work, hidden, layers)
