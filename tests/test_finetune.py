@@ -419,6 +419,22 @@ def test_constant_channels_read_from_the_checkpoint_match_the_loaded_model(tiny,
     assert channels == expected and all(p.is_meta for p in empty.parameters())
 
 
+def test_student_shards_stay_on_the_cpu_under_parameter_offload():
+    """With `fsdp_offload_params: true` FSDP2 keeps the shards on the CPU: the student's are filled there."""
+    import types
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from attnkit.training.sharded_load import shard_device
+
+    def accelerator(offload):
+        plugin = types.SimpleNamespace(cpu_offload=offload)
+        return types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), device=torch.device("meta"))
+
+    assert shard_device(accelerator(CPUOffloadPolicy())) == torch.device("cpu")
+    assert shard_device(accelerator(OffloadPolicy())) == torch.device("meta")  # no offload: the process's device
+
+
 def test_position_ppl_scores_every_token_once_like_lm_eval(tiny):
     """position_ppl's buckets partition exactly the tokens lm-eval's rolling windows score."""
     from transformers import AutoModelForCausalLM

@@ -447,7 +447,7 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     with sharded_load.shards_only(accelerator) if fill_after else contextlib.nullcontext():
         model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if fill_after:
-        sharded_load.fill_prepared(model, inputs.student_path, accelerator.device)
+        sharded_load.fill_prepared(model, inputs.student_path, sharded_load.shard_device(accelerator))
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
     masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
     return Training(model, optimizer, scheduler, loader, params, masked, trainable_desc)

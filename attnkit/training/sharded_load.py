@@ -94,6 +94,15 @@ def shards_only(accelerator) -> Iterator[None]:
         plugin.cpu_ram_efficient_loading = was
 
 
+def shard_device(accelerator) -> torch.device:
+    """Where FSDP keeps this process's shards: the CPU under `fsdp_offload_params` (FSDP2's CPUOffloadPolicy
+    copies each to the GPU for its all-gather), else the process's device."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    offload = getattr(accelerator.state.fsdp_plugin, "cpu_offload", None)
+    return torch.device("cpu") if isinstance(offload, CPUOffloadPolicy) else accelerator.device
+
+
 def fill_prepared(model: torch.nn.Module, path: Path, device: torch.device) -> None:
     """A model sharded on the meta device (by accelerate or `shard`): this process's shards allocated on
     `device`, then read from the checkpoint. The parameter objects stay the ones the optimizer holds
