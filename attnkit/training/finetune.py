@@ -382,7 +382,7 @@ def _plan_data(accelerator, recipe: Recipe, inputs: Inputs, notes: list) -> Data
                            recipe.data.val_tokens, 0)
     val_distinct = len(val_rows)
     if 0 < val_distinct < world:
-        notes.append(f"validation: {len(val_rows)} held-out row(s) for {world} processes, repeated so that each "
+        notes.append(f"validation: {val_distinct} held-out row(s) for {world} processes, repeated so that each "
                      "process scores as many (the mean loss is unchanged)")
     val_rows = batches.even_validation_rows(val_rows, world)
     dataset = batches.EpochRows(rows, total_steps * rows_per_step, recipe.data.seed)

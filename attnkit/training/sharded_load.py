@@ -56,30 +56,34 @@ def missing_from_checkpoint(model: torch.nn.Module, ckpt: LazyCheckpoint) -> lis
     return [name for name, _ in model.named_parameters() if name not in ckpt]
 
 
+def _empty_matching(path: Path, trust_remote_code: bool) -> tuple[torch.nn.Module, LazyCheckpoint] | None:
+    """The causal LM of `path` on the meta device (`empty_causal_lm`) and its checkpoint, or None when the
+    checkpoint's names are not the model's (it cannot be filled tensor by tensor)."""
+    model = empty_causal_lm(path, trust_remote_code)
+    ckpt = LazyCheckpoint(path)
+    return None if missing_from_checkpoint(model, ckpt) else (model, ckpt)
+
+
 def load_sharded(path: Path, trust_remote_code: bool, device: torch.device,
                  shard: Callable[[torch.nn.Module], int]) -> tuple[torch.nn.Module, int] | None:
     """The model of `path` with `shard(model)` applied on the meta device (it returns how many modules it
     sharded), then this process's shards and the unsharded parameters allocated on `device` and read from
     the checkpoint; buffers keep their computed values. None when the checkpoint's names are not the
     model's (the caller loads it whole instead)."""
-    model = empty_causal_lm(path, trust_remote_code)
-    ckpt = LazyCheckpoint(path)
-    if missing_from_checkpoint(model, ckpt):
+    found = _empty_matching(path, trust_remote_code)
+    if found is None:
         return None
+    model, ckpt = found
     sharded = shard(model)
-    materialize(model, device)
-    fill_from_checkpoint(model, ckpt, device)
+    _allocate_and_fill(model, ckpt, device)
     return model, sharded
 
 
 def empty_student(path: Path, trust_remote_code: bool) -> tuple[torch.nn.Module, dict[str, list[int]]] | None:
     """The student on the meta device and its constant MLA latent channels (`trainable.constant_channel_map`,
     their projections read from the checkpoint), or None when the checkpoint's names are not the model's."""
-    model = empty_causal_lm(path, trust_remote_code)
-    ckpt = LazyCheckpoint(path)
-    if missing_from_checkpoint(model, ckpt):
-        return None
-    return model, constant_channel_map(model, ckpt)
+    found = _empty_matching(path, trust_remote_code)
+    return None if found is None else (found[0], constant_channel_map(*found))
 
 
 @contextmanager
@@ -107,8 +111,12 @@ def fill_prepared(model: torch.nn.Module, path: Path, device: torch.device) -> N
     """A model sharded on the meta device (by accelerate or `shard`): this process's shards allocated on
     `device`, then read from the checkpoint. The parameter objects stay the ones the optimizer holds
     (`to_empty` swaps a DTensor's contents in place)."""
+    _allocate_and_fill(model, LazyCheckpoint(path), device)
+
+
+def _allocate_and_fill(model: torch.nn.Module, ckpt: LazyCheckpoint, device: torch.device) -> None:
     materialize(model, device)
-    fill_from_checkpoint(model, LazyCheckpoint(path), device)
+    fill_from_checkpoint(model, ckpt, device)
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
