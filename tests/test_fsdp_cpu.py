@@ -45,6 +45,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(fsdp_on_cpu_unavailable() is 
                                                    reason=str(fsdp_on_cpu_unavailable()))]
 
 
+def in_bf16(folder: Path) -> Path:
+    """Stored in bf16, as real checkpoints are: the teacher is held in bf16 and computed in fp32 (`frozen`)."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(folder)
+    return folder
+
+
 def with_constant_channel(folder: Path) -> Path:
     """Give layer 0's MLA latent a constant channel (zero kv_a_proj row, non-zero bias), as the attnkit
     format has: its gradients must stay zero under FSDP too (trainable.sharded_grad_masks)."""
@@ -64,7 +72,7 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     corpus = write_corpus(root / "corpus.jsonl")
     tok = build_tokenizer(corpus)
-    teacher = save_llama(root / "llama", tok, layers=2, tie=False)  # its embeddings and LM head: FSDP units of their own
+    teacher = in_bf16(save_llama(root / "llama", tok, layers=2, tie=False))  # embeddings, LM head: units of their own
     student = save_deepseek(root / "mla", tok, layers=2, attention_bias=True)  # the bias a constant channel needs
     return {"root": root, "corpus": corpus, "teacher": teacher, "student": with_constant_channel(student)}
 
@@ -116,8 +124,9 @@ def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     assert all(p["sharded_params"] == p["params"] > 0 for p in fsdp["probes"])
     for key in ("student_weights", "adam_state"):  # each process holds its shard: the two add up to DDP's copy
         assert sum(p[key] for p in fsdp["probes"]) == ddp["probes"][0][key]
-    # the teacher sharded too, its untied embeddings and LM head included: only the final norm (32 fp32) is whole
-    assert sum(p["teacher_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["teacher_weights"] + 32 * 4
+    # the teacher sharded too, its untied embeddings and LM head included: only the final norm (32 bf16) is whole
+    assert sum(p["teacher_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["teacher_weights"] + 32 * 2
+    assert ddp["probes"][0]["teacher_weights"] == sum(t.numel() * 2 for t in weights(pair["teacher"]).values())  # bf16
     assert any("teacher: 2 decoder layers sharded" in n for n in fsdp["notes"])
     # no process reads a model whole: each builds both empty and reads only its own shards from the checkpoints
     by_rank = sorted(fsdp["probes"], key=lambda p: p["rank"])

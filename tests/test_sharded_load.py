@@ -1,7 +1,8 @@
 """The FSDP teacher built on the meta device, sharded and filled from its checkpoint tensor by tensor
 (`attnkit/training/sharded_load.py`) is the model `from_pretrained` loads: the same logits (fp32, exact) for
 every real config under tests/data/configs (tied and untied embeddings, biases, fused qkv, softcapping,
-llama3 / yarn / longrope RoPE), and no fallback to the whole load.
+llama3 / yarn / longrope RoPE), and no fallback to the whole load. The trainer's FSDP teacher of the same
+checkpoint saved in bf16 is held in bf16 and gives the fp32 load's logits and hidden states bit for bit.
 
 Run in a subprocess: `fully_shard` needs a process group (gloo, a world of one), which must not outlive the test.
 """
@@ -31,13 +32,13 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, sys.argv[2])
 from test_real_configs import NAMES, build
 from attnkit.training import sharded_load
-from attnkit.training.finetune import load_causal_lm
+from attnkit.training.finetune import load_causal_lm, load_fsdp_teacher
 
 root = Path(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)
 plugin = types.SimpleNamespace(mixed_precision_policy=MixedPrecisionPolicy())
-accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin))
-out = {}
+accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), device=torch.device("cpu"))
+out, held = {}, {}
 for name in NAMES:
     src = build(name, root / name)
     whole = load_causal_lm(src, False).eval()
@@ -53,8 +54,18 @@ for name in NAMES:
     head = model.get_output_embeddings().weight
     out[name] = {"diff": diff, "layers": layers, "tied": whole.config.tie_word_embeddings,
                  "head_sharded": isinstance(head, DTensor)}
+    # the trainer's FSDP teacher of a bf16 checkpoint: held in bf16, the fp32 load's outputs bit for bit
+    src16 = root / (name + "-bf16")
+    whole.to(torch.bfloat16).save_pretrained(src16)
+    want = load_causal_lm(src16, False).eval()
+    teacher, _ = load_fsdp_teacher(src16, {}, accelerator)
+    with torch.no_grad():
+        a, b = teacher(ids, output_hidden_states=True), want(ids, output_hidden_states=True)
+    held[name] = {"equal": bool(torch.equal(a.logits, b.logits))
+                  and all(torch.equal(x, y) for x, y in zip(a.hidden_states, b.hidden_states)),
+                  "dtypes": sorted({str(p.dtype) for p in teacher.parameters()})}
 dist.destroy_process_group()
-print(json.dumps(out))
+print(json.dumps({"fp32": out, "bf16": held}))
 '''
 
 
@@ -63,10 +74,11 @@ def test_sharded_teacher_equals_from_pretrained_on_every_real_config(tmp_path):
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), str(tests)], capture_output=True,
                           text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results, held = (json.loads(done.stdout.strip().splitlines()[-1])[k] for k in ("fp32", "bf16"))
     assert sorted(results) == sorted(NAMES)
     for name, r in results.items():
         assert r is not None, f"{name}: fell back to the whole load (checkpoint names are not the model's)"
         assert r["diff"] == 0.0, (name, r)
         assert r["layers"] == 2, (name, r)
         assert r["head_sharded"] == (not r["tied"]), (name, r)  # untied LM heads are FSDP units of their own
+        assert held[name] == {"equal": True, "dtypes": ["torch.bfloat16"]}, (name, held[name])

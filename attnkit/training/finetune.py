@@ -37,7 +37,7 @@ from attnkit.evaluation.ppl import VALIDATION, validation_text
 from attnkit.io.checkpoint import check_output_dir, weights_fingerprint
 from attnkit.io.public import local_folder
 from attnkit.io.resolve import BUNDLED, check_causal_lm, resolve_model
-from attnkit.training import batches, measure, sharded_load, state, teacher_cache, trainable
+from attnkit.training import batches, frozen, measure, sharded_load, state, teacher_cache, trainable
 from attnkit.training.export import final_model, gathered_tensors, input_dtype, save_healed
 from attnkit.training.losses import heal_loss
 from attnkit.training.recipe import Recipe, load_finetune_recipe
@@ -240,30 +240,50 @@ def check_same_depth(spec: str, teacher_config: dict, student_config: dict) -> N
 
 
 def load_teacher(path: Path | None, config: dict, device):
-    """The frozen source model in eval mode (no grads; run under torch.no_grad by the trainer)."""
+    """The frozen source model in eval mode (no grads; run under torch.no_grad by the trainer), held in its
+    checkpoint's 16-bit dtype and computed in fp32 (`frozen`): the fp32 teacher's outputs, half the bytes."""
     if path is None:
         return None
-    teacher = load_causal_lm(path, trust_remote_code="auto_map" in config).to(device).eval()
-    teacher.requires_grad_(False)
-    print(f"attnkit finetune: teacher loaded from {path}", file=sys.stderr)
+    teacher, dtype = _read_teacher(path, config, device)
+    frozen.compute_in_fp32(teacher)
+    print(f"attnkit finetune: teacher loaded from {path}{_held_in(dtype)}", file=sys.stderr)
     return teacher
+
+
+def _read_teacher(path: Path, config: dict, device) -> tuple[Any, torch.dtype]:
+    dtype, trust = frozen.storage_dtype(path), "auto_map" in config
+    teacher = load_causal_lm(path, trust_remote_code=trust, dtype=dtype)
+    if dtype != torch.float32:
+        frozen.fp32_buffers(teacher, path, trust)
+    return teacher.to(device).eval().requires_grad_(False), dtype
+
+
+def _held_in(dtype: torch.dtype) -> str:
+    return "" if dtype == torch.float32 else f" (held in {str(dtype).removeprefix('torch.')}, computed in fp32)"
 
 
 def load_fsdp_teacher(path: Path, config: dict, accelerator) -> tuple[Any, int]:
     """The frozen teacher under FSDP: its decoder layers sharded over the processes like the student's
     (`sharded_load.shard_teacher_layers`), each process reading only what it keeps from the checkpoint
     (`sharded_load.load_sharded`); a checkpoint whose names are not the model's is loaded whole on the
-    CPU first. Returns (teacher, number of layers sharded)."""
+    CPU first. Held in its checkpoint's dtype like `load_teacher`'s: FSDP gathers the shards in the dtype
+    the run computes in, the parts left whole are upcast module by module. Returns (teacher, layers sharded)."""
     shard = lambda model: sharded_load.shard_teacher_layers(model, accelerator)  # noqa: E731
-    loaded = sharded_load.load_sharded(path, "auto_map" in config, accelerator.device, shard)
+    dtype = frozen.storage_dtype(path)
+    loaded = sharded_load.load_sharded(path, "auto_map" in config, accelerator.device, shard, dtype)
     if loaded is None:
-        teacher = load_teacher(path, config, "cpu")
+        teacher, _ = _read_teacher(path, config, "cpu")
         layers = shard(teacher)
         sharded_load.whole_to_device(teacher, accelerator.device)
-        return teacher, layers
-    teacher, layers = loaded
-    teacher.eval().requires_grad_(False)
-    print(f"attnkit finetune: teacher loaded from {path}, this process's shards only", file=sys.stderr)
+        where = "read whole, then sharded"
+    else:
+        teacher, layers = loaded
+        teacher.eval().requires_grad_(False)
+        if dtype != torch.float32:
+            frozen.fp32_buffers(teacher, path, "auto_map" in config)
+        where = "this process's shards only"
+    frozen.compute_in_fp32(teacher)  # after sharding: only what FSDP leaves whole
+    print(f"attnkit finetune: teacher loaded from {path}, {where}{_held_in(dtype)}", file=sys.stderr)
     return teacher, layers
 
 

@@ -16,6 +16,7 @@ teacher at once, before training starts (a 70B pair on 8 GPUs: 16 × 280 GB of h
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,8 +29,8 @@ from attnkit.sdpa import fused_kwargs
 from attnkit.training.trainable import canonical_name, constant_channel_map
 
 
-def empty_causal_lm(path: Path, trust_remote_code: bool) -> torch.nn.Module:
-    """The causal LM of `path`'s config, fp32, its parameters on the meta device (no memory) and its
+def empty_causal_lm(path: Path, trust_remote_code: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The causal LM of `path`'s config, its parameters in `dtype` on the meta device (no memory) and its
     buffers real: the RoPE tables are computed when the model is built and are not in the checkpoint."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -37,7 +38,7 @@ def empty_causal_lm(path: Path, trust_remote_code: bool) -> torch.nn.Module:
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code,
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
                                                      **fused_kwargs(path))
     except Exception as exc:
         raise AttnkitError(f"cannot build {path} as a causal LM: {str(exc).splitlines()[0]}") from None
@@ -56,21 +57,22 @@ def missing_from_checkpoint(model: torch.nn.Module, ckpt: LazyCheckpoint) -> lis
     return [name for name, _ in model.named_parameters() if name not in ckpt]
 
 
-def _empty_matching(path: Path, trust_remote_code: bool) -> tuple[torch.nn.Module, LazyCheckpoint] | None:
+def _empty_matching(path: Path, trust_remote_code: bool,
+                    dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, LazyCheckpoint] | None:
     """The causal LM of `path` on the meta device (`empty_causal_lm`) and its checkpoint, or None when the
     checkpoint's names are not the model's (it cannot be filled tensor by tensor)."""
-    model = empty_causal_lm(path, trust_remote_code)
+    model = empty_causal_lm(path, trust_remote_code, dtype)
     ckpt = LazyCheckpoint(path)
     return None if missing_from_checkpoint(model, ckpt) else (model, ckpt)
 
 
-def load_sharded(path: Path, trust_remote_code: bool, device: torch.device,
-                 shard: Callable[[torch.nn.Module], int]) -> tuple[torch.nn.Module, int] | None:
-    """The model of `path` with `shard(model)` applied on the meta device (it returns how many modules it
-    sharded), then this process's shards and the unsharded parameters allocated on `device` and read from
-    the checkpoint; buffers keep their computed values. None when the checkpoint's names are not the
-    model's (the caller loads it whole instead)."""
-    found = _empty_matching(path, trust_remote_code)
+def load_sharded(path: Path, trust_remote_code: bool, device: torch.device, shard: Callable[[torch.nn.Module], int],
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, int] | None:
+    """The model of `path`, its parameters in `dtype`, with `shard(model)` applied on the meta device (it
+    returns how many modules it sharded), then this process's shards and the unsharded parameters allocated
+    on `device` and read from the checkpoint; buffers keep their computed values. None when the checkpoint's
+    names are not the model's (the caller loads it whole instead)."""
+    found = _empty_matching(path, trust_remote_code, dtype)
     if found is None:
         return None
     model, ckpt = found
@@ -174,6 +176,8 @@ def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
     layers = [m for m in teacher.modules() if type(m).__name__ in names]
     plugin = accelerator.state.fsdp_plugin
     policy = plugin.mixed_precision_policy or MixedPrecisionPolicy()
+    if policy.param_dtype is None:  # a 16-bit teacher (`frozen`) gathered in fp32, the dtype the run computes in
+        policy = dataclasses.replace(policy, param_dtype=torch.float32)
     for unit in layers + (_untied_embeddings(teacher) if layers else []):
         fully_shard(unit, reshard_after_forward=True, mp_policy=policy)
     return len(layers)
