@@ -501,3 +501,31 @@ def test_validation_rows_refuse_an_empty_split():
 
     with pytest.raises(AttnkitError, match="no row"):
         even_validation_rows(torch.zeros(0, 4, dtype=torch.long), 2)
+
+
+def test_a_bf16_pair_heals_exactly_like_its_fp32_copy(tiny, tmp_path):
+    """A bf16 student and teacher (real checkpoints' dtype) are held in bf16 (the student's frozen parameters,
+    the whole teacher) and computed in fp32 (`attnkit/training/frozen.py`): the same run as on fp32 copies of
+    the same values, loss for loss, and the same trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    pairs = {}
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        paths = []
+        for src in (tiny["mla"], tiny["llama"]):
+            out = tmp_path / name / src.name
+            AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(dtype).save_pretrained(out)
+            tiny["tokenizer"].save_pretrained(out)
+            paths.append(out)
+        pairs[name] = paths
+    reports = {}
+    for name, (student, teacher) in pairs.items():
+        recipe = base_recipe(tmp_path / name, student, teacher, tiny["corpus"])
+        recipe["train"].update(trainable="new", patterns=[r"kv_b_proj", r"kv_a_layernorm"])
+        recipe["loss"].update(kl_weight=1.0, hidden_weight=1.0)
+        reports[name] = train(write_recipe(tmp_path / name / "r.yaml", **recipe))
+    notes = " ".join(reports["bf16"]["notes"])
+    assert "frozen parameter tensor(s) held in bfloat16" in notes and "held in" not in " ".join(reports["fp32"]["notes"])
+    assert reports["bf16"]["loss_curve"] == reports["fp32"]["loss_curve"]
+    a, b = (load_file(str(tmp_path / n / "out" / "model.safetensors")) for n in ("bf16", "fp32"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a)

@@ -115,3 +115,42 @@ def test_weights_not_in_safetensors_are_read_in_fp32_as_before(tmp_path):
     stored.unlink()
     assert frozen.storage_dtype(tmp_path / "bin") == torch.float32
     assert {p.dtype for p in load_teacher(tmp_path / "bin", {}, "cpu").parameters()} == {torch.float32}
+
+
+def _student_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    with frozen.saved_in_low_precision():
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("build", [lambda: _llama(4, 2, 16, True, False), _phi3])
+def test_student_frozen_in_bf16_trains_as_in_fp32(tmp_path, build):
+    """`hold_frozen`: the frozen parameters back in the checkpoint's bf16, the trained ones fp32: the same
+    loss and gradients bit for bit, and the backward keeps no fp32 copy of a frozen weight alive."""
+    torch.manual_seed(0)
+    folder = _saved(build(), tmp_path / "m", torch.bfloat16)
+    trained = ("self_attn",)  # the attention trains, the rest (MLPs, norms, embeddings, head) is frozen
+    models = []
+    for hold in (False, True):
+        model = load_causal_lm(folder, False).train()
+        for name, p in model.named_parameters():
+            p.requires_grad_(any(t in name for t in trained))
+        if hold:
+            assert frozen.hold_frozen(model, torch.bfloat16) > 0
+        models.append(model)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    packed = []
+    real_pack = frozen._pack
+    frozen._pack = lambda t: packed.append(real_pack(t)) or packed[-1]  # what the backward keeps
+    try:
+        (loss_a, grads_a), (loss_b, grads_b) = (_student_step(m, ids) for m in models)
+    finally:
+        frozen._pack = real_pack
+    assert loss_a == loss_b
+    assert grads_a.keys() == grads_b.keys() and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+    assert {p.dtype for p in models[1].parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in models[1].parameters() if p.requires_grad} == {torch.float32}
+    kept = [x for x in packed if isinstance(x, tuple)]  # frozen weights kept as their bf16 parameters
+    assert kept and all(x[0].dtype == torch.bfloat16 for x in kept)
+    assert not frozen._SOURCES  # every fp32 copy let go after its module's forward

@@ -458,6 +458,7 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     protected = trainable.protect_constant_channels(model, channels)
     if protected:
         notes.append(f"{protected} constant MLA latent channel(s) kept frozen (their gradients are zeroed)")
+    _hold_frozen(accelerator, t, inputs.student_path, model, fill_after, notes)
     masks = trainable.grad_masks(model)  # by name: FSDP replaces the parameters their hooks are on
     trainable_desc = trainable.describe(model)
     optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
@@ -471,6 +472,26 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
     masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
     return Training(model, optimizer, scheduler, loader, params, masked, trainable_desc)
+
+
+def _hold_frozen(accelerator, t, student_path: Path, model, sharded_later: bool, notes: list) -> None:
+    """The student's frozen parameters back in the checkpoint's 16-bit dtype, computed in fp32 (the same
+    training bit for bit, half their bytes): on one process or DDP through `frozen.hold_frozen`; under FSDP
+    on the meta model before its shards are made (FSDP gathers them in fp32, `sharded_load.shards_only`).
+    Not under DeepSpeed, which holds the parameters itself, nor with FSDP's whole-model loading fallback,
+    nor LoRA, whose merge would round in 16 bits."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if t.trainable == "lora" or kind == DistributedType.DEEPSPEED or (kind == DistributedType.FSDP and not sharded_later):
+        return
+    dtype = frozen.storage_dtype(student_path)
+    if dtype == torch.float32:
+        return
+    cast = frozen.cast_frozen(model, dtype) if sharded_later else frozen.hold_frozen(model, dtype)
+    if cast:
+        notes.append(f"{cast} frozen parameter tensor(s) held in {str(dtype).removeprefix('torch.')} "
+                     "(the checkpoint's dtype), computed in fp32")
 
 
 def _load_student(accelerator, inputs: Inputs) -> tuple[Any, dict[str, list[int]] | None, bool]:
@@ -715,7 +736,8 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
         ids = batch["input_ids"]
         sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
         with sync:
-            out = model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)  # logits [b, L, V]
+            with frozen.saved_in_low_precision():  # frozen 16-bit weights re-upcast for the backward
+                out = model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)  # logits [b, L, V]
             target, hidden = None, None
             if t_model is not None:
                 with torch.no_grad(), accelerator.autocast():

@@ -1,15 +1,18 @@
-"""The frozen teacher kept in its checkpoint's 16-bit dtype and computed in fp32, one module at a time.
+"""Frozen weights kept in their checkpoint's 16-bit dtype and computed in fp32, one module at a time.
 
-bf16 and fp16 convert to fp32 exactly, so a teacher stored in bf16 whose every module works on an fp32 copy
-of its own parameters during its own forward computes what the same checkpoint loaded in fp32 computes,
-bit for bit, and holds half the bytes between calls (the Llama-3.2-1B shape's teacher: 2.4 GB instead of
-4.7 GB per process). The copies live one module at a time. A plain embedding table is not copied: its
-rows are looked up in 16 bits and upcast, the same values without a whole fp32 table.
+bf16 and fp16 convert to fp32 exactly, so a module that works on an fp32 copy of its own 16-bit parameters
+during its own forward computes what the same checkpoint loaded in fp32 computes, bit for bit, and the
+model holds half the bytes between calls. The copies live one module at a time. A plain embedding table is
+not copied: its rows are looked up in 16 bits and upcast, the same values without a whole fp32 table.
+
+* The teacher (`compute_in_fp32`): all of it (the Llama-3.2-1B shape's: 2.4 GB instead of 4.7 GB).
+* The student (`hold_frozen`): the parameters that do not train; the trained ones stay fp32 master
+  weights. Autograd would keep each layer's fp32 copy from its forward to the backward; under
+  `saved_in_low_precision` it keeps the 16-bit parameter and upcasts it again when the backward needs it.
 
 Parameters FSDP shards are left to FSDP: its mixed-precision policy gathers them in the dtype the run
 computes in (`sharded_load.shard_teacher_layers`). A checkpoint stored in fp32, or in more than one float
-dtype, is loaded in fp32 as before.
-"""
+dtype, is loaded in fp32 as before."""
 
 from __future__ import annotations
 
@@ -60,24 +63,74 @@ def _is_dtensor(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
+# storage of each fp32 copy alive -> its 16-bit parameter, while the module owning it runs its forward
+_SOURCES: dict[int, torch.Tensor] = {}
+
+
 def _upcast_own(module: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """The module's 16-bit parameters replaced by fp32 copies for its forward (the parameter objects are
+    set aside, not changed: autograd may hold them)."""
     stash = {}
     for name in names:
-        param = module._parameters[name]
-        stash[name] = param.data
-        param.data = param.data.float()
+        low = module._parameters[name]
+        copy = low.float()
+        stash[name] = low
+        _SOURCES[copy.untyped_storage().data_ptr()] = low
+        module._parameters[name] = copy
     module._attnkit_low_precision = stash
 
 
 def _restore_own(module: torch.nn.Module) -> None:
-    for name, data in module.__dict__.pop("_attnkit_low_precision", {}).items():
-        module._parameters[name].data = data
+    for name, low in module.__dict__.pop("_attnkit_low_precision", {}).items():
+        _SOURCES.pop(module._parameters[name].untyped_storage().data_ptr(), None)
+        module._parameters[name] = low
+
+
+def _pack(t: torch.Tensor):
+    """What autograd keeps of a tensor it saves for the backward: of an fp32 copy of a 16-bit parameter
+    (or a view of one, e.g. a linear layer's transposed weight), the parameter and the view's geometry."""
+    low = _SOURCES.get(t.untyped_storage().data_ptr()) if t.dtype == torch.float32 else None
+    return t if low is None else (low, t.size(), t.stride(), t.storage_offset())
+
+
+def _unpack(packed):
+    if isinstance(packed, tuple):
+        low, size, stride, offset = packed
+        return low.float().as_strided(size, stride, offset)  # the same values the forward saw
+    return packed
+
+
+def saved_in_low_precision():
+    """Context for a training forward through a model whose frozen parameters are held in 16 bits
+    (`hold_frozen`): the backward re-upcasts them instead of keeping every layer's fp32 copy alive from the
+    forward to the backward."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
+def cast_frozen(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The frozen (requires_grad False) fp32 parameters of a model read from a checkpoint stored in `dtype`
+    (16-bit: their values are exact in it) cast back to `dtype`; on the meta device too, where FSDP then
+    shards them in `dtype`. Trained parameters stay fp32 (AdamW's master weights). Returns how many."""
+    cast = 0
+    for param in {id(p): p for p in model.parameters()}.values():  # tied ones once
+        if not param.requires_grad and param.dtype == torch.float32 and not _is_dtensor(param):
+            param.data = param.data.to(dtype)
+            cast += 1
+    return cast
+
+
+def hold_frozen(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """`cast_frozen`, and the model hooked to compute in fp32 (`compute_in_fp32`); train its forward under
+    `saved_in_low_precision`. Returns how many parameters were cast."""
+    cast = cast_frozen(model, dtype)
+    compute_in_fp32(model)
+    return cast
 
 
 def compute_in_fp32(model: torch.nn.Module) -> int:
     """Hook every module that owns 16-bit parameters (FSDP-sharded ones excepted) so that its forward sees
     them in fp32 and they return to 16 bits after it, even when it raises. Returns the number of modules
-    hooked. Only for a frozen model: the fp32 copies are not parameters autograd would train."""
+    hooked. For frozen parameters only: the fp32 copies are not what an optimizer would step."""
     hooked = 0
     for module in model.modules():
         names = tuple(n for n, p in module._parameters.items()

@@ -91,13 +91,20 @@ def empty_student(path: Path, trust_remote_code: bool) -> tuple[torch.nn.Module,
 @contextmanager
 def shards_only(accelerator) -> Iterator[None]:
     """accelerate's FSDP2 preparation of a model on the meta device, without its own loading: with
-    `cpu_ram_efficient_loading` it would broadcast the main process's weights, which are not read yet."""
+    `cpu_ram_efficient_loading` it would broadcast the main process's weights, which are not read yet.
+    Without a compute dtype in its mixed-precision policy (fp32 runs), the shards are gathered in fp32:
+    frozen ones held in 16 bits (`frozen.cast_frozen`) are then computed in fp32 like the rest."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     plugin = accelerator.state.fsdp_plugin
-    was, plugin.cpu_ram_efficient_loading = plugin.cpu_ram_efficient_loading, False
+    loading, policy = plugin.cpu_ram_efficient_loading, plugin.mixed_precision_policy
+    plugin.cpu_ram_efficient_loading = False
+    if policy is None or policy.param_dtype is None:
+        plugin.mixed_precision_policy = dataclasses.replace(policy or MixedPrecisionPolicy(), param_dtype=torch.float32)
     try:
         yield
     finally:
-        plugin.cpu_ram_efficient_loading = was
+        plugin.cpu_ram_efficient_loading, plugin.mixed_precision_policy = loading, policy
 
 
 def shard_device(accelerator) -> torch.device:
