@@ -75,21 +75,25 @@ def _upcast_own(module: torch.nn.Module, names: tuple[str, ...]) -> None:
         low = module._parameters[name]
         copy = low.float()
         stash[name] = low
-        _SOURCES[copy.untyped_storage().data_ptr()] = low
+        if copy.numel():  # an empty tensor has no storage address of its own
+            _SOURCES[copy.untyped_storage().data_ptr()] = low
         module._parameters[name] = copy
     module._attnkit_low_precision = stash
 
 
 def _restore_own(module: torch.nn.Module) -> None:
     for name, low in module.__dict__.pop("_attnkit_low_precision", {}).items():
-        _SOURCES.pop(module._parameters[name].untyped_storage().data_ptr(), None)
+        if module._parameters[name].numel():
+            _SOURCES.pop(module._parameters[name].untyped_storage().data_ptr(), None)
         module._parameters[name] = low
 
 
 def _pack(t: torch.Tensor):
     """What autograd keeps of a tensor it saves for the backward: of an fp32 copy of a 16-bit parameter
     (or a view of one, e.g. a linear layer's transposed weight), the parameter and the view's geometry."""
-    low = _SOURCES.get(t.untyped_storage().data_ptr()) if t.dtype == torch.float32 else None
+    if not _SOURCES or t.dtype != torch.float32 or not t.numel() or type(t) is not torch.Tensor:
+        return t  # nothing held in 16 bits is running, or not a plain fp32 tensor (a subclass keeps its own)
+    low = _SOURCES.get(t.untyped_storage().data_ptr())
     return t if low is None else (low, t.size(), t.stride(), t.storage_offset())
 
 
