@@ -24,24 +24,36 @@ def _peak_rss(args: list[str]) -> int:
     return peak
 
 
+def _slope(peaks: dict[int, int]) -> float:
+    """Least-squares bytes per layer through (layers, peak) points."""
+    xs, ys = list(peaks), list(peaks.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
 @pytest.mark.slow
 def test_peak_memory_does_not_grow_with_layers(tmp_path):
+    """The peak's slope against the layer count, fitted through 2, 6 and 10 layers, is under half a layer's fp32
+    bytes per layer; a pass that kept every layer would show one whole layer per layer (~15 MB), so the bound
+    is a factor of two from either side. Each point is the lower of two runs (a peak is one sample of RSS noise:
+    heap reuse, page faults; two runs of 2 and 8 layers once differed by 38 MB, 2.5 layers, on a busy machine),
+    and a third run of each is taken before a miss is judged."""
     calib = calib_folder(tmp_path / "calib")
-    peaks, layer_bytes = {}, None
-    for layers in (2, 8):
-        src = save_model(tmp_path / f"src{layers}", "llama", num_hidden_layers=layers, **WIDE)
-        ck = LazyCheckpoint(src)
-        layer_bytes = sum(ck.get(n).numel() * 4 for n in ck.keys() if n.startswith("model.layers.0."))
-        # the lower of two runs: a peak is one sample of RSS noise (heap reuse, page faults), which once
-        # put a single run 15.6 MB above an 11.4 MB bound; a real per-layer leak shows in every run
-        peaks[layers] = min(_peak_rss(["convert", "--to", "mla", str(src), "-o", str(tmp_path / f"out{layers}-{i}"),
-                                       "--calib", str(calib), "--calib-tokens", "2048", "--calib-seq-len", "128",
-                                       "--eval-tokens", "512", "--kv-lora-rank", "64", "--rope-dim", "32"])
-                            for i in range(2))
-    # a pass that kept every layer would add six layers' bytes (~90 MB) from 2 to 8 layers; a bounded one adds
-    # only noise (heap reuse, page faults: up to 11.5 MB seen, 0.76 of a layer, on a busy CI machine). Two
-    # layers' bytes separate the two by a factor of three either way.
-    assert peaks[8] - peaks[2] < 2 * layer_bytes, (peaks, layer_bytes)
+    sources, layer_bytes = {}, None
+    for layers in (2, 6, 10):
+        sources[layers] = save_model(tmp_path / f"src{layers}", "llama", num_hidden_layers=layers, **WIDE)
+    ck = LazyCheckpoint(sources[2])
+    layer_bytes = sum(ck.get(n).numel() * 4 for n in ck.keys() if n.startswith("model.layers.0."))
+
+    def peak(layers: int, run: int) -> int:
+        return _peak_rss(["convert", "--to", "mla", str(sources[layers]), "-o", str(tmp_path / f"out{layers}-{run}"),
+                          "--calib", str(calib), "--calib-tokens", "2048", "--calib-seq-len", "128",
+                          "--eval-tokens", "512", "--kv-lora-rank", "64", "--rope-dim", "32"])
+
+    peaks = {n: min(peak(n, 0), peak(n, 1)) for n in sources}
+    if _slope(peaks) >= 0.5 * layer_bytes:
+        peaks = {n: min(peaks[n], peak(n, 2)) for n in sources}
+    assert _slope(peaks) < 0.5 * layer_bytes, (peaks, layer_bytes)
 
 
 def test_row_store_round_trip_and_in_place_map(tmp_path):
