@@ -253,8 +253,7 @@ def load_teacher(path: Path | None, config: dict, device):
 def _read_teacher(path: Path, config: dict, device) -> tuple[Any, torch.dtype]:
     dtype, trust = frozen.storage_dtype(path), "auto_map" in config
     teacher = load_causal_lm(path, trust_remote_code=trust, dtype=dtype)
-    if dtype != torch.float32:
-        frozen.fp32_buffers(teacher, path, trust)
+    frozen.fp32_buffers(teacher, path, trust)
     return teacher.to(device).eval().requires_grad_(False), dtype
 
 
@@ -279,8 +278,7 @@ def load_fsdp_teacher(path: Path, config: dict, accelerator) -> tuple[Any, int]:
     else:
         teacher, layers = loaded
         teacher.eval().requires_grad_(False)
-        if dtype != torch.float32:
-            frozen.fp32_buffers(teacher, path, "auto_map" in config)
+        frozen.fp32_buffers(teacher, path, "auto_map" in config)
         where = "this process's shards only"
     frozen.compute_in_fp32(teacher)  # after sharding: only what FSDP leaves whole
     print(f"attnkit finetune: teacher loaded from {path}, {where}{_held_in(dtype)}", file=sys.stderr)

@@ -47,6 +47,8 @@ def fp32_buffers(model: torch.nn.Module, path: Path, trust_remote_code: bool) ->
     buffers, read from the checkpoint, are upcast."""
     from attnkit.training.sharded_load import empty_causal_lm
 
+    if not any(p.dtype in LOW_PRECISION for p in model.parameters()):
+        return  # built in fp32: its buffers are the fp32 load's already
     fp32 = dict(empty_causal_lm(path, trust_remote_code).named_buffers())
     for name, buffer in list(model.named_buffers()):
         owner, _, leaf = name.rpartition(".")

@@ -94,17 +94,23 @@ def shards_only(accelerator) -> Iterator[None]:
     `cpu_ram_efficient_loading` it would broadcast the main process's weights, which are not read yet.
     Without a compute dtype in its mixed-precision policy (fp32 runs), the shards are gathered in fp32:
     frozen ones held in 16 bits (`frozen.cast_frozen`) are then computed in fp32 like the rest."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     plugin = accelerator.state.fsdp_plugin
     loading, policy = plugin.cpu_ram_efficient_loading, plugin.mixed_precision_policy
     plugin.cpu_ram_efficient_loading = False
-    if policy is None or policy.param_dtype is None:
-        plugin.mixed_precision_policy = dataclasses.replace(policy or MixedPrecisionPolicy(), param_dtype=torch.float32)
+    plugin.mixed_precision_policy = computing_policy(policy)
     try:
         yield
     finally:
         plugin.cpu_ram_efficient_loading, plugin.mixed_precision_policy = loading, policy
+
+
+def computing_policy(policy):
+    """FSDP2's mixed-precision policy with a compute dtype: the run's (bf16 on GPUs), else fp32, so that shards
+    held in 16 bits (`frozen`) are gathered in the dtype the run computes in."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = policy or MixedPrecisionPolicy()
+    return policy if policy.param_dtype is not None else dataclasses.replace(policy, param_dtype=torch.float32)
 
 
 def shard_device(accelerator) -> torch.device:
@@ -177,14 +183,11 @@ def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
     to the device of the default mesh (the GPU of this process; the CPU under gloo), so no device ever holds
     it whole; on the meta device the shards stay there. Returns the number of decoder layers sharded
     (0: no decoder-layer class known, the teacher stays replicated)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     names = set(getattr(teacher, "_no_split_modules", None) or [])
     layers = [m for m in teacher.modules() if type(m).__name__ in names]
-    plugin = accelerator.state.fsdp_plugin
-    policy = plugin.mixed_precision_policy or MixedPrecisionPolicy()
-    if policy.param_dtype is None:  # a 16-bit teacher (`frozen`) gathered in fp32, the dtype the run computes in
-        policy = dataclasses.replace(policy, param_dtype=torch.float32)
+    policy = computing_policy(accelerator.state.fsdp_plugin.mixed_precision_policy)
     for unit in layers + (_untied_embeddings(teacher) if layers else []):
         fully_shard(unit, reshard_after_forward=True, mp_policy=policy)
     return len(layers)
