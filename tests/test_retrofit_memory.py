@@ -1,13 +1,12 @@
 """Every method streams: its peak memory does not grow with the number of layers.
 
-`diff` and `mla+titans` share every streamed pass with `dex` and `mla+dex` (only the modules installed
-per layer differ), so they are left out to keep the suite's time.
-
-Each `--to` runs in a subprocess on a 2-layer and a 10-layer model of the same width; the peak RSS
-of the deeper one may exceed the shallower one's by less than three layers' fp32 weights (45 MB).
-Loading the whole model, as the retrofits did before they streamed, added 183 MB from 2 to 10
-layers for `--to dex` (503 -> 686 MB; streamed: 473 -> 481 MB), so this cannot pass by noise; a peak is one noisy sample (heap reuse,
-page faults), so a pair that misses the bound is measured once more and the lower peaks kept.
+Each `--to` runs in a subprocess on 2-, 6- and 10-layer models of the same width, and the least-squares
+slope of its peak RSS against the layer count must stay under half a layer's fp32 weights per layer
+(`memory_slope.assert_flat`: one run per depth, and a second of each, the lower kept, before a miss is judged;
+38 MB of noise at one end moves the slope by 4.75 MB per layer, under the 7.5 MB bound).
+Loading the whole model, as the retrofits did before they streamed, added 183 MB from 2 to 10 layers
+for `--to dex` (503 -> 686 MB, 1.5 layers per layer; streamed: 473 -> 481 MB), so this cannot pass by
+keeping every layer, nor fail by one noisy peak. `mla` has its own test (tests/test_mla_memory.py).
 """
 
 import sys
@@ -16,43 +15,43 @@ from pathlib import Path
 import pytest
 
 from attnkit.evaluation.peak import run_with_peak
-from attnkit.io.checkpoint import LazyCheckpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
+from memory_slope import assert_flat, layer_fp32_bytes  # noqa: E402
 from mla_fixtures import calib_folder, save_model  # noqa: E402
 
 WIDE = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
             max_position_embeddings=1024)
+DEPTHS = (2, 6, 10)
 CALIB = ["--calib-tokens", "1024", "--calib-seq-len", "128"]
+MLA = ["--kv-lora-rank", "64", "--rope-dim", "32", "--eval-tokens", "512"]
 METHODS = {
     "dex": ["--heads", "auto"],
+    "diff": [],
     "titans": ["--window", "64"],
     "gqa": ["--kv-heads", "1"],
-    "mla+dex": ["--kv-lora-rank", "64", "--rope-dim", "32", "--eval-tokens", "512"],
+    "mla+dex": MLA,
+    "mla+titans": [*MLA, "--window", "64"],
 }
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("retrofit-memory")
-    return {layers: save_model(root / f"src{layers}", "llama", num_hidden_layers=layers, **WIDE) for layers in (2, 10)}, \
-        calib_folder(root / "calib")
-
-
-def _peak(method: str, src: Path, calib: Path, out: Path) -> int:
-    code, peak, err = run_with_peak(["convert", "--to", method, str(src), "-o", str(out), "--calib", str(calib),
-                                     *CALIB, *METHODS[method]], env={"TQDM_DISABLE": "1"})
-    assert code == 0 and peak > 0, err
-    return peak
+    models = {n: save_model(root / f"src{n}", "llama", num_hidden_layers=n, **WIDE) for n in DEPTHS}
+    return models, calib_folder(root / "calib")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_peak_memory_does_not_grow_with_layers(sources, method, tmp_path):
     models, calib = sources
-    ck = LazyCheckpoint(models[2])
-    layer_bytes = sum(ck.get(n).numel() * 4 for n in ck.keys() if n.startswith("model.layers.0."))
-    peaks = {n: _peak(method, models[n], calib, tmp_path / f"a{n}") for n in models}
-    if peaks[10] - peaks[2] >= 3 * layer_bytes:  # a second sample of each before judging
-        peaks = {n: min(peaks[n], _peak(method, models[n], calib, tmp_path / f"b{n}")) for n in models}
-    assert peaks[10] - peaks[2] < 3 * layer_bytes, (peaks, layer_bytes)
+
+    def peak(layers: int, run: int) -> int:
+        code, rss, err = run_with_peak(["convert", "--to", method, str(models[layers]), "-o",
+                                        str(tmp_path / f"out{layers}-{run}"), "--calib", str(calib), *CALIB,
+                                        *METHODS[method]], env={"TQDM_DISABLE": "1"})
+        assert code == 0 and rss > 0, err
+        return rss
+
+    assert_flat(peak, DEPTHS, layer_fp32_bytes(models[2]), runs=1)
