@@ -51,6 +51,7 @@ def test_overrides_and_types(tmp_path):
         ("loss.temperature=0", "loss.temperature"),
         ("teacher=null", "teacher"),
         ("train.rest_lr=-1e-5", "train.rest_lr"),
+        ("train.frozen_dtype=bf16", "train.frozen_dtype"),
     ],
 )
 def test_bad_recipe_names_the_key(tmp_path, override, key):
@@ -503,10 +504,11 @@ def test_validation_rows_refuse_an_empty_split():
         even_validation_rows(torch.zeros(0, 4, dtype=torch.long), 2)
 
 
-def test_a_bf16_pair_heals_exactly_like_its_fp32_copy(tiny, tmp_path):
+def test_a_bf16_pair_heals_exactly_like_its_fp32_copy(tiny, tmp_path, capfd):
     """A bf16 student and teacher (real checkpoints' dtype) are held in bf16 (the student's frozen parameters,
     the whole teacher) and computed in fp32 (`attnkit/training/frozen.py`): the same run as on fp32 copies of
-    the same values, loss for loss, and the same trained weights."""
+    the same values, loss for loss, and the same trained weights; and the same again with
+    `train.frozen_dtype: fp32`, which reads the bf16 pair in fp32 instead of holding it in bf16."""
     from transformers import AutoModelForCausalLM
 
     pairs = {}
@@ -518,14 +520,25 @@ def test_a_bf16_pair_heals_exactly_like_its_fp32_copy(tiny, tmp_path):
             tiny["tokenizer"].save_pretrained(out)
             paths.append(out)
         pairs[name] = paths
-    reports = {}
+    pairs["bf16-unheld"] = pairs["bf16"]
+    reports, teacher_lines = {}, {}
     for name, (student, teacher) in pairs.items():
         recipe = base_recipe(tmp_path / name, student, teacher, tiny["corpus"])
         recipe["train"].update(trainable="new", patterns=[r"kv_b_proj", r"kv_a_layernorm"])
+        if name == "bf16-unheld":
+            recipe["train"]["frozen_dtype"] = "fp32"
         recipe["loss"].update(kl_weight=1.0, hidden_weight=1.0)
+        capfd.readouterr()
+        (tmp_path / name).mkdir(exist_ok=True)
         reports[name] = train(write_recipe(tmp_path / name / "r.yaml", **recipe))
+        teacher_lines[name] = [line for line in capfd.readouterr().err.splitlines() if "teacher loaded" in line]
     notes = " ".join(reports["bf16"]["notes"])
-    assert "frozen parameter tensor(s) held in bfloat16" in notes and "held in" not in " ".join(reports["fp32"]["notes"])
-    assert reports["bf16"]["loss_curve"] == reports["fp32"]["loss_curve"]
-    a, b = (load_file(str(tmp_path / n / "out" / "model.safetensors")) for n in ("bf16", "fp32"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a)
+    assert "frozen parameter tensor(s) held in bfloat16" in notes
+    assert "(held in bfloat16, computed in fp32)" in teacher_lines["bf16"][0]
+    for name in ("fp32", "bf16-unheld"):
+        assert "held in" not in " ".join(reports[name]["notes"] + teacher_lines[name]), name
+    for name in ("fp32", "bf16-unheld"):
+        assert reports["bf16"]["loss_curve"] == reports[name]["loss_curve"], name
+    a, b, c = (load_file(str(tmp_path / n / "out" / "model.safetensors")) for n in ("bf16", "fp32", "bf16-unheld"))
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k].to(a[k].dtype)) and torch.equal(a[k], c[k]) for k in a)

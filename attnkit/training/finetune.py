@@ -239,39 +239,45 @@ def check_same_depth(spec: str, teacher_config: dict, student_config: dict) -> N
             )
 
 
-def load_teacher(path: Path | None, config: dict, device):
+def load_teacher(path: Path | None, config: dict, device, hold: bool = True):
     """The frozen source model in eval mode (no grads; run under torch.no_grad by the trainer), held in its
-    checkpoint's 16-bit dtype and computed in fp32 (`frozen`): the fp32 teacher's outputs, half the bytes."""
+    checkpoint's 16-bit dtype and computed in fp32 (`frozen`): the fp32 teacher's outputs, half the bytes.
+    `hold=False` (`train.frozen_dtype: fp32`): read in fp32, no upcast per call."""
     if path is None:
         return None
-    teacher, dtype = _read_teacher(path, config, device)
+    teacher, dtype = _read_teacher(path, config, device, hold)
     frozen.compute_in_fp32(teacher)
     print(f"attnkit finetune: teacher loaded from {path}{_held_in(dtype)}", file=sys.stderr)
     return teacher
 
 
-def _read_teacher(path: Path, config: dict, device) -> tuple[Any, torch.dtype]:
-    dtype, trust = frozen.storage_dtype(path), "auto_map" in config
+def _read_teacher(path: Path, config: dict, device, hold: bool) -> tuple[Any, torch.dtype]:
+    dtype, trust = _held_dtype(path, hold), "auto_map" in config
     teacher = load_causal_lm(path, trust_remote_code=trust, dtype=dtype)
     frozen.fp32_buffers(teacher, path, trust)
     return teacher.to(device).eval().requires_grad_(False), dtype
+
+
+def _held_dtype(path: Path, hold: bool) -> torch.dtype:
+    """The dtype frozen weights of the checkpoint at `path` are held in: its 16-bit one when `hold`, else fp32."""
+    return frozen.storage_dtype(path) if hold else torch.float32
 
 
 def _held_in(dtype: torch.dtype) -> str:
     return "" if dtype == torch.float32 else f" (held in {str(dtype).removeprefix('torch.')}, computed in fp32)"
 
 
-def load_fsdp_teacher(path: Path, config: dict, accelerator) -> tuple[Any, int]:
+def load_fsdp_teacher(path: Path, config: dict, accelerator, hold: bool = True) -> tuple[Any, int]:
     """The frozen teacher under FSDP: its decoder layers sharded over the processes like the student's
     (`sharded_load.shard_teacher_layers`), each process reading only what it keeps from the checkpoint
     (`sharded_load.load_sharded`); a checkpoint whose names are not the model's is loaded whole on the
     CPU first. Held in its checkpoint's dtype like `load_teacher`'s: FSDP gathers the shards in the dtype
     the run computes in, the parts left whole are upcast module by module. Returns (teacher, layers sharded)."""
     shard = lambda model: sharded_load.shard_teacher_layers(model, accelerator)  # noqa: E731
-    dtype = frozen.storage_dtype(path)
+    dtype = _held_dtype(path, hold)
     loaded = sharded_load.load_sharded(path, "auto_map" in config, accelerator.device, shard, dtype)
     if loaded is None:
-        teacher, _ = _read_teacher(path, config, "cpu")
+        teacher, _ = _read_teacher(path, config, "cpu", hold)
         layers = shard(teacher)
         sharded_load.whole_to_device(teacher, accelerator.device)
         where = "read whole, then sharded"
@@ -428,9 +434,10 @@ def _teacher_or_cache(accelerator, recipe: Recipe, inputs: Inputs, data: Data, n
     """The teacher in memory (under FSDP its decoder layers sharded like the student's), or, with a teacher
     cache, its targets on disk: (teacher, None) or (None, cache). Both None without a teacher."""
     if data.cache_plan is None:
+        hold = recipe.train.frozen_dtype == "checkpoint"
         if inputs.teacher_path is None or not _is_fsdp(accelerator):
-            return load_teacher(inputs.teacher_path, inputs.teacher_config, accelerator.device), None
-        teacher, layers = load_fsdp_teacher(inputs.teacher_path, inputs.teacher_config, accelerator)
+            return load_teacher(inputs.teacher_path, inputs.teacher_config, accelerator.device, hold), None
+        teacher, layers = load_fsdp_teacher(inputs.teacher_path, inputs.teacher_config, accelerator, hold)
         notes.append(f"teacher: {layers} decoder layers sharded over {accelerator.num_processes} processes (FSDP)"
                      if layers else "teacher: replicated on every process (no decoder-layer class to shard by)")
         return teacher, None
@@ -477,13 +484,13 @@ def _hold_frozen(accelerator, t, student_path: Path, model, sharded_later: bool,
     training bit for bit, half their bytes): on one process or DDP through `frozen.hold_frozen`; under FSDP
     on the meta model before its shards are made (FSDP gathers them in fp32, `sharded_load.shards_only`).
     Not under DeepSpeed, which holds the parameters itself, nor with FSDP's whole-model loading fallback,
-    nor LoRA, whose merge would round in 16 bits."""
+    nor LoRA, whose merge would round in 16 bits, nor with `train.frozen_dtype: fp32`."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
-    if t.trainable == "lora" or kind == DistributedType.DEEPSPEED or (kind == DistributedType.FSDP and not sharded_later):
+    if t.frozen_dtype == "fp32" or t.trainable == "lora" or kind == DistributedType.DEEPSPEED or (kind == DistributedType.FSDP and not sharded_later):
         return
-    dtype = frozen.storage_dtype(student_path)
+    dtype = _held_dtype(student_path, True)
     if dtype == torch.float32:
         return
     cast = frozen.cast_frozen(model, dtype) if sharded_later else frozen.hold_frozen(model, dtype)

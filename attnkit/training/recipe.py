@@ -15,6 +15,7 @@ TRAINABLE_MODES = ("new", "attention", "full", "lora")
 SCHEDULES = ("cosine", "wsd", "constant")
 PRECISIONS = ("auto", "no", "bf16", "fp16")
 CACHE_DTYPES = ("bf16", "fp16", "fp32")
+FROZEN_DTYPES = ("checkpoint", "fp32")
 
 
 @dataclass
@@ -63,6 +64,8 @@ class TrainSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_grad_norm: float = 1.0  # 0 disables clipping
     mixed_precision: str = "auto"  # auto (bf16 on GPUs that support it) | no | bf16 | fp16
+    frozen_dtype: str = "checkpoint"  # what does not train (teacher, frozen student weights) is held in: checkpoint
+    #   (its 16-bit dtype when it has one, computed in fp32: the same numbers, half the bytes) | fp32 (faster on CPU)
     seed: int = 0
 
 
@@ -182,6 +185,7 @@ def check_recipe(r: Recipe) -> None:
     _need(0 <= r.train.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
     _need(0 < r.train.decay_fraction <= 1, "train.decay_fraction", "must be in (0, 1]")
     _need(len(r.train.betas) == 2, "train.betas", "must hold two numbers")
+    _choice(r.train.frozen_dtype, FROZEN_DTYPES, "train.frozen_dtype")
     _need(r.loss.temperature > 0, "loss.temperature", "must be positive")
     _need(r.loss.ce_weight + r.loss.kl_weight + r.loss.hidden_weight > 0, "loss",
           "ce_weight, kl_weight and hidden_weight are all 0: nothing to train on")
