@@ -504,6 +504,39 @@ def test_validation_rows_refuse_an_empty_split():
         even_validation_rows(torch.zeros(0, 4, dtype=torch.long), 2)
 
 
+def test_the_chunked_cross_entropy_heals_as_the_whole_logits_do(tiny, tmp_path, monkeypatch):
+    """The heal-mla loss (cross-entropy + hidden states, no KL) on a bf16 pair, the cross-entropy over the LM
+    head in chunks of 8 positions (`chunked_head`, the default) and over whole logits
+    (`train.chunked_head: false`): the same loss curve and trained weights, to float rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from attnkit.training import chunked_head
+
+    monkeypatch.setattr(chunked_head, "CHUNK_BYTES", 8 * 4 * tiny["tokenizer"].vocab_size)
+    paths = []
+    for src in (tiny["mla"], tiny["llama"]):
+        out = tmp_path / "pair" / src.name
+        AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(out)
+        tiny["tokenizer"].save_pretrained(out)
+        paths.append(out)
+    reports = {}
+    for name, chunked in (("chunked", True), ("whole", False)):
+        recipe = base_recipe(tmp_path / name, *paths, tiny["corpus"])
+        recipe["train"].update(trainable="new", patterns=[r"kv_b_proj", r"q_proj"], chunked_head=chunked)
+        recipe["loss"].update(ce_weight=1.0, kl_weight=0.0, hidden_weight=30.0)
+        (tmp_path / name).mkdir()
+        reports[name] = train(write_recipe(tmp_path / name / "r.yaml", **recipe))
+    uses = ["in chunks of positions" in " ".join(reports[n]["notes"]) for n in ("chunked", "whole")]
+    assert uses == [True, False]
+    (a, b) = (torch.tensor([loss for _, loss in reports[n]["loss_curve"]]) for n in ("chunked", "whole"))
+    assert len(a) >= 3 and torch.allclose(a, b, rtol=1e-5), (a, b)
+    for when in ("eval_before", "eval_after"):  # the validation loss is chunked too
+        va, vb = (reports[n][when]["validation"]["loss"] for n in ("chunked", "whole"))
+        assert abs(va - vb) <= 1e-4 * abs(vb), (when, va, vb)
+    wa, wb = (load_file(str(tmp_path / n / "out" / "model.safetensors")) for n in ("chunked", "whole"))
+    assert all(torch.allclose(wa[k].float(), wb[k].float(), atol=1e-3) for k in wa)
+
+
 def test_a_bf16_pair_heals_exactly_like_its_fp32_copy(tiny, tmp_path, capfd):
     """A bf16 student and teacher (real checkpoints' dtype) are held in bf16 (the student's frozen parameters,
     the whole teacher) and computed in fp32 (`attnkit/training/frozen.py`): the same run as on fp32 copies of

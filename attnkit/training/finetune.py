@@ -37,7 +37,7 @@ from attnkit.evaluation.ppl import VALIDATION, validation_text
 from attnkit.io.checkpoint import check_output_dir, weights_fingerprint
 from attnkit.io.public import local_folder
 from attnkit.io.resolve import BUNDLED, check_causal_lm, resolve_model
-from attnkit.training import batches, frozen, measure, sharded_load, state, teacher_cache, trainable
+from attnkit.training import batches, chunked_head, frozen, measure, sharded_load, state, teacher_cache, trainable
 from attnkit.training.export import final_model, gathered_tensors, input_dtype, save_healed
 from attnkit.training.losses import heal_loss
 from attnkit.training.recipe import Recipe, load_finetune_recipe
@@ -338,6 +338,7 @@ class Training:
     params: list  # the trainable parameters after prepare (FSDP2: the sharded DTensors)
     masked: list  # FSDP: (sharded parameter, keep mask) pairs for constant latent channels
     trainable_desc: str
+    head: Any = None  # the LM head when the cross-entropy runs over it in chunks (`chunked_head`), else None
 
 
 def run(recipe: Recipe, config_path: str | None = None) -> dict:
@@ -355,7 +356,8 @@ def run(recipe: Recipe, config_path: str | None = None) -> dict:
     teacher, cache = _teacher_or_cache(accelerator, recipe, inputs, data, notes)
     training = _build_student(accelerator, recipe, inputs, data, notes)
     log = _open_run_dir(accelerator, recipe, inputs.run_dir)
-    evaluate = Evaluator(accelerator, recipe, training.model, inputs.tokenizer, data.val_rows, sharded, notes)
+    evaluate = Evaluator(accelerator, recipe, training.model, inputs.tokenizer, data.val_rows, sharded, notes,
+                         training.head)
     trainer_state = _first_state(accelerator, recipe, inputs.latest, evaluate, teacher, cache, data.val_rows, log)
     if recipe.loss.kl_weight == 0 and recipe.loss.hidden_weight == 0:
         teacher = None  # named only as the quality reference; free it for training
@@ -476,7 +478,28 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
         sharded_load.fill_prepared(model, inputs.student_path, sharded_load.shard_device(accelerator))
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
     masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
-    return Training(model, optimizer, scheduler, loader, params, masked, trainable_desc)
+    head = _chunked_head(accelerator, recipe, model, notes)
+    return Training(model, optimizer, scheduler, loader, params, masked, trainable_desc, head)
+
+
+def _chunked_head(accelerator, recipe: Recipe, model, notes: list):
+    """The student's LM head when its loss needs no whole logits (cross-entropy without KL) and the model's
+    logits are its head's output (`chunked_head.matches`, on a few positions): the cross-entropy then runs
+    the head a chunk of positions at a time (`train.chunked_head: false` keeps the whole logits). Under FSDP
+    the head's weight is used as the model's forward left it gathered; not under DeepSpeed, whose engine
+    gathers ZeRO-3 partitions inside its own forward only."""
+    from accelerate.utils import DistributedType
+
+    loss = recipe.loss
+    if (not recipe.train.chunked_head or loss.ce_weight == 0 or loss.kl_weight > 0 or chunked_head.head_of(model) is None
+            or accelerator.distributed_type == DistributedType.DEEPSPEED):
+        return None
+    probe = torch.arange(8, device=accelerator.device).unsqueeze(0)  # [1, 8] token ids
+    if not chunked_head.matches(model, probe):
+        notes.append("cross-entropy over whole logits: the model's logits are not its LM head's output")
+        return None
+    notes.append("cross-entropy run over the LM head in chunks of positions (no whole logits)")
+    return chunked_head.head_of(model)
 
 
 def _hold_frozen(accelerator, t, student_path: Path, model, sharded_later: bool, notes: list) -> None:
@@ -543,12 +566,13 @@ class Evaluator:
     val_rows: torch.Tensor
     sharded: bool
     notes: list  # a task's note is added once
+    head: Any = None  # the LM head the cross-entropy runs over in chunks (`chunked_head`), else None
 
     def __call__(self, tasks: bool) -> dict:
         accelerator, recipe = self.accelerator, self.recipe
         total, count = measure.validation_loss(self.model, self.val_rows, recipe.train.per_device_batch_size,
                                                accelerator.device, accelerator.process_index,
-                                               accelerator.num_processes)
+                                               accelerator.num_processes, self.head)
         result = {"validation": measure.reduce_loss(accelerator, total, count)}
         if tasks and recipe.eval.tasks and not self.sharded:
             if accelerator.is_main_process:
@@ -641,7 +665,7 @@ def _step(accelerator, recipe: Recipe, training: Training, teacher, cache, data_
         broadcast_step(teacher, step, total_steps)
     try:
         return _optimizer_step(accelerator, training.model, teacher, cache, data_iter, training.optimizer,
-                               training.scheduler, training.params, recipe, step, training.masked)
+                               training.scheduler, training.params, recipe, step, training.masked, training.head)
     except AttnkitError:
         if progress is not None:  # the bar's last line before the error's, not after it
             progress.close()
@@ -727,8 +751,9 @@ def _open_cache(accelerator, recipe, plan, fp, rows, used, val_rows, teacher_pat
 
 
 def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, scheduler, params, recipe,
-                    step: int, masked=()) -> dict:
+                    step: int, masked=(), head=None) -> dict:
     """`grad_accum` micro-batches → one clipped AdamW step; returns the mean loss parts (all processes).
+    With `head`, the student's forward stops before its LM head and the cross-entropy runs it in chunks.
     A non-finite loss or gradient norm stops the run before the step is taken (on every process: the
     check reads the all-reduced values): continuing would only train on NaN and write a broken model."""
     accum, loss_cfg = recipe.train.grad_accum, recipe.loss
@@ -741,8 +766,9 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
         ids = batch["input_ids"]
         sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
         with sync:
-            with frozen.saved_in_low_precision():  # frozen 16-bit weights re-upcast for the backward
-                out = model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)  # logits [b, L, V]
+            with frozen.saved_in_low_precision(), _stopped_before(head) as kept:  # frozen 16-bit weights re-upcast
+                out = model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)  # logits [b, L or 0, V]
+            ce = None if head is None else chunked_head.next_token_ce(kept.hidden, ids, head, chunked_head.softcap_of(model))
             target, hidden = None, None
             if t_model is not None:
                 with torch.no_grad(), accelerator.autocast():
@@ -754,7 +780,7 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
                 target = cache.targets(batch["row"].cpu()).to(ids.device)
             loss, parts = heal_loss(
                 out.logits, ids, target, loss_cfg.ce_weight, loss_cfg.kl_weight, loss_cfg.temperature,
-                loss_cfg.hidden_weight, hidden,
+                loss_cfg.hidden_weight, hidden, ce,
             )
             accelerator.backward(loss / accum)
         parts["loss"] = float(loss.detach())
@@ -778,6 +804,10 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return parts
+
+
+def _stopped_before(head):
+    return contextlib.nullcontext() if head is None else chunked_head.final_hidden(head)
 
 
 def _is_fsdp(accelerator) -> bool:

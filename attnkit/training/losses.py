@@ -113,13 +113,15 @@ def heal_loss(
     temperature: float,
     hidden_weight: float = 0.0,
     hidden: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+    ce: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """ce_weight·CE + kl_weight·KL + hidden_weight·hidden MSE; `teacher` is logits [B, L, V] or
-    cached targets, `hidden` the (student, teacher) layer outputs. Returns total and parts."""
+    cached targets, `hidden` the (student, teacher) layer outputs, `ce` the cross-entropy when computed
+    without whole logits (`chunked_head`). Returns total and parts."""
     parts: dict[str, torch.Tensor] = {}
     total = student_logits.new_zeros((), dtype=torch.float32)
     if ce_weight > 0:
-        parts["ce"] = next_token_ce(student_logits, input_ids)
+        parts["ce"] = next_token_ce(student_logits, input_ids) if ce is None else ce
         total = total + ce_weight * parts["ce"]
     if kl_weight > 0:
         if teacher is None:

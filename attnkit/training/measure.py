@@ -7,12 +7,15 @@ import math
 
 import torch
 
+from attnkit.training import chunked_head
 from attnkit.training.losses import next_token_ce
 
 
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, rows: torch.Tensor, batch_size: int, device, rank: int = 0, world: int = 1):
+def validation_loss(model: torch.nn.Module, rows: torch.Tensor, batch_size: int, device, rank: int = 0, world: int = 1,
+                    head: torch.nn.Module | None = None):
     """Mean next-token CE over `rows` [n, L]; each process takes rows[rank::world] and sums are reduced.
+    With `head` (checked by `chunked_head.matches`), the CE runs over it in chunks: no whole logits.
 
     Returns (loss, count) summed locally; the caller reduces across processes.
     """
@@ -22,12 +25,19 @@ def validation_loss(model: torch.nn.Module, rows: torch.Tensor, batch_size: int,
     total, count = 0.0, 0
     for start in range(0, len(mine), batch_size):
         batch = mine[start : start + batch_size].to(device)
-        logits = model(input_ids=batch).logits
         n = batch.shape[0] * (batch.shape[1] - 1)
-        total += float(next_token_ce(logits, batch)) * n
+        total += float(_batch_ce(model, batch, head)) * n
         count += n
     model.train(was_training)
     return total, count
+
+
+def _batch_ce(model: torch.nn.Module, batch: torch.Tensor, head: torch.nn.Module | None) -> torch.Tensor:
+    if head is None:
+        return next_token_ce(model(input_ids=batch).logits, batch)
+    with chunked_head.final_hidden(head) as kept:
+        model(input_ids=batch)
+    return chunked_head.next_token_ce(kept.hidden, batch, head, chunked_head.softcap_of(model))
 
 
 def reduce_loss(accelerator, total: float, count: int) -> dict[str, float]:

@@ -64,6 +64,7 @@ class TrainSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     max_grad_norm: float = 1.0  # 0 disables clipping
     mixed_precision: str = "auto"  # auto (bf16 on GPUs that support it) | no | bf16 | fp16
+    chunked_head: bool = True  # cross-entropy without whole [tokens, vocabulary] logits (when no KL needs them)
     frozen_dtype: str = "checkpoint"  # what does not train (teacher, frozen student weights) is held in: checkpoint
     #   (its 16-bit dtype when it has one, computed in fp32: the same numbers, half the bytes) | fp32 (faster on CPU)
     seed: int = 0
