@@ -530,7 +530,7 @@ def test_the_chunked_cross_entropy_heals_as_the_whole_logits_do(tiny, tmp_path, 
     assert uses == [True, False]
     (a, b) = (torch.tensor([loss for _, loss in reports[n]["loss_curve"]]) for n in ("chunked", "whole"))
     assert len(a) >= 3 and torch.allclose(a, b, rtol=1e-5), (a, b)
-    for when in ("eval_before", "eval_after"):  # the validation loss is chunked too
+    for when in ("eval_before", "eval_after", "eval_teacher"):  # the validation losses are chunked too
         va, vb = (reports[n][when]["validation"]["loss"] for n in ("chunked", "whole"))
         assert abs(va - vb) <= 1e-4 * abs(vb), (when, va, vb)
     wa, wb = (load_file(str(tmp_path / n / "out" / "model.safetensors")) for n in ("chunked", "whole"))

@@ -163,3 +163,9 @@ def matches(model: torch.nn.Module, input_ids: torch.Tensor, positions: int = 8)
         return False
     mine = _logits(kept.hidden.float(), w.float(), None if b is None else b.float(), softcap_of(model))[0]
     return mine.shape == logits.shape and torch.allclose(mine, logits, rtol=1e-4, atol=1e-4)
+
+
+def checked_head(model: torch.nn.Module, device) -> torch.nn.Module | None:
+    """The model's LM head when `matches` finds its logits to be the head's output (on 8 positions), else None."""
+    probe = torch.arange(8, device=device).unsqueeze(0)  # [1, 8] token ids
+    return head_of(model) if matches(model, probe) else None

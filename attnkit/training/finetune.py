@@ -494,12 +494,11 @@ def _chunked_head(accelerator, recipe: Recipe, model, notes: list):
     if (not recipe.train.chunked_head or loss.ce_weight == 0 or loss.kl_weight > 0 or chunked_head.head_of(model) is None
             or accelerator.distributed_type == DistributedType.DEEPSPEED):
         return None
-    probe = torch.arange(8, device=accelerator.device).unsqueeze(0)  # [1, 8] token ids
-    if not chunked_head.matches(model, probe):
-        notes.append("cross-entropy over whole logits: the model's logits are not its LM head's output")
-        return None
-    notes.append("cross-entropy run over the LM head in chunks of positions (no whole logits)")
-    return chunked_head.head_of(model)
+    head = chunked_head.checked_head(model, accelerator.device)
+    notes.append("cross-entropy run over the LM head in chunks of positions (no whole logits)" if head is not None
+                 else "cross-entropy over whole logits: the model's logits are not its LM head's output")
+    return head
+
 
 
 def _hold_frozen(accelerator, t, student_path: Path, model, sharded_later: bool, notes: list) -> None:
@@ -595,9 +594,10 @@ def _first_state(accelerator, recipe: Recipe, latest: Path | None, evaluate: Eva
         return state.read_trainer_state(latest)
     trainer_state["eval_before"] = evaluate(tasks=True)
     if teacher is not None:  # the target the student heals toward, on the same held-out rows
+        head = chunked_head.checked_head(teacher, accelerator.device) if recipe.train.chunked_head else None
         total, count = measure.validation_loss(
             teacher, val_rows, recipe.train.per_device_batch_size, accelerator.device, accelerator.process_index,
-            accelerator.num_processes,
+            accelerator.num_processes, head,
         )
         trainer_state["eval_teacher"] = {"validation": measure.reduce_loss(accelerator, total, count)}
     elif cache is not None:  # measured when the cache was built, on the same rows if they match
@@ -737,7 +737,7 @@ def _open_cache(accelerator, recipe, plan, fp, rows, used, val_rows, teacher_pat
             began = time.perf_counter()
             teacher_cache.build(
                 folder, teacher, rows, used, fp, batch_size=recipe.train.per_device_batch_size,
-                device=accelerator.device, autocast=accelerator.autocast,
+                device=accelerator.device, autocast=accelerator.autocast, chunked=recipe.train.chunked_head,
                 val=(val_rows, teacher_cache.rows_digest(val_rows)),
             )
             note = f"teacher cache built in {folder} ({time.perf_counter() - began:.1f} s)"

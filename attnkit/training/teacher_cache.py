@@ -138,15 +138,17 @@ def plan(folder: Path, fp: dict, rebuild: bool) -> str:
 
 def build(folder: Path, teacher, rows: torch.Tensor, used: list[int], fp: dict, *, batch_size: int, device,
           autocast, val: tuple[torch.Tensor, str] | None = None, max_shard_bytes: int = 1 << 30,
-          progress: bool = True) -> dict:
+          progress: bool = True, chunked: bool = True) -> dict:
     """Run `teacher` once over rows[used] [n, L] and write the cache atomically; returns the manifest.
 
     `autocast` is a context factory (accelerator.autocast) so the targets match an in-process teacher
     run under the same mixed precision. `val` = (validation rows, their digest): the teacher's
-    validation loss is stored too, so a run from the cache still reports the target it heals toward.
+    validation loss is stored too, so a run from the cache still reports the target it heals toward;
+    `chunked` (`train.chunked_head`): measured over the LM head in chunks, as an in-process teacher's is.
     """
     from tqdm.auto import tqdm
 
+    from attnkit.training import chunked_head
     from attnkit.training.measure import validation_loss
 
     dtype, top_k = DTYPES[fp["dtype"]], fp["top_k"]
@@ -174,7 +176,8 @@ def build(folder: Path, teacher, rows: torch.Tensor, used: list[int], fp: dict, 
         manifest = {"format": FORMAT, "fingerprint": fp, "shards": shards,
                     "bytes_per_token": per_row / seq_len}
         if val is not None:
-            total, count = validation_loss(teacher, val[0], batch_size, device)
+            head = chunked_head.checked_head(teacher, device) if chunked else None
+            total, count = validation_loss(teacher, val[0], batch_size, device, head=head)
             loss = total / count
             manifest["teacher_validation"] = {
                 "val_rows_sha256": val[1],
