@@ -32,3 +32,12 @@ def layer_fp32_bytes(folder) -> int:
 
     ck = LazyCheckpoint(folder)
     return sum(ck.get(n).numel() * 4 for n in ck.keys() if n.startswith("model.layers.0."))
+
+
+def peak_rss(argv: list[str]) -> int:
+    """The peak RSS in bytes of `attnkit ARGV` in a fresh process, which must succeed."""
+    from attnkit.evaluation.peak import run_with_peak
+
+    code, peak, err = run_with_peak(argv, env={"TQDM_DISABLE": "1"})
+    assert code == 0 and peak > 0, err
+    return peak

@@ -7,22 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnkit.evaluation.peak import run_with_peak
 from attnkit.io.tensor_rows import embed_into
 from attnkit.io.checkpoint import LazyCheckpoint
 from attnkit.converters.stream.rowstore import RowStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mla_fixtures import calib_folder, save_model  # noqa: E402
-from memory_slope import assert_flat, layer_fp32_bytes, slope  # noqa: E402
+from memory_slope import assert_flat, layer_fp32_bytes, peak_rss, slope  # noqa: E402
 
 WIDE = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
-
-
-def _peak_rss(args: list[str]) -> int:
-    code, peak, err = run_with_peak(args, env={"TQDM_DISABLE": "1"})
-    assert code == 0 and peak > 0, err
-    return peak
 
 
 @pytest.mark.slow
@@ -36,7 +29,7 @@ def test_peak_memory_does_not_grow_with_layers(tmp_path):
     sources = {n: save_model(tmp_path / f"src{n}", "llama", num_hidden_layers=n, **WIDE) for n in (2, 6, 10)}
 
     def peak(layers: int, run: int) -> int:
-        return _peak_rss(["convert", "--to", "mla", str(sources[layers]), "-o", str(tmp_path / f"out{layers}-{run}"),
+        return peak_rss(["convert", "--to", "mla", str(sources[layers]), "-o", str(tmp_path / f"out{layers}-{run}"),
                           "--calib", str(calib), "--calib-tokens", "2048", "--calib-seq-len", "128",
                           "--eval-tokens", "512", "--kv-lora-rank", "64", "--rope-dim", "32"])
 

@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from attnkit.evaluation.peak import run_with_peak
-
 sys.path.insert(0, str(Path(__file__).parent))
-from memory_slope import assert_flat, layer_fp32_bytes  # noqa: E402
+from memory_slope import assert_flat, layer_fp32_bytes, peak_rss  # noqa: E402
 from mla_fixtures import calib_folder, save_model  # noqa: E402
 
 WIDE = dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
@@ -48,10 +46,7 @@ def test_peak_memory_does_not_grow_with_layers(sources, method, tmp_path):
     models, calib = sources
 
     def peak(layers: int, run: int) -> int:
-        code, rss, err = run_with_peak(["convert", "--to", method, str(models[layers]), "-o",
-                                        str(tmp_path / f"out{layers}-{run}"), "--calib", str(calib), *CALIB,
-                                        *METHODS[method]], env={"TQDM_DISABLE": "1"})
-        assert code == 0 and rss > 0, err
-        return rss
+        return peak_rss(["convert", "--to", method, str(models[layers]), "-o", str(tmp_path / f"out{layers}-{run}"),
+                         "--calib", str(calib), *CALIB, *METHODS[method]])
 
     assert_flat(peak, DEPTHS, layer_fp32_bytes(models[2]), runs=1)

@@ -47,10 +47,13 @@ class _Kept:
 
 
 @contextmanager
-def final_hidden(head: torch.nn.Module) -> Iterator[_Kept]:
+def final_hidden(head: torch.nn.Module | None) -> Iterator[_Kept]:
     """While open, the head's input is kept (`.hidden`, [B, L, D]) and the head sees none of its positions:
-    the model's forward returns logits [B, 0, V]."""
+    the model's forward returns logits [B, 0, V]. With no head, nothing changes (`.hidden` stays None)."""
     kept = _Kept()
+    if head is None:
+        yield kept
+        return
 
     def stop(module, args):
         kept.hidden = args[0]

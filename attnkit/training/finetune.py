@@ -512,7 +512,7 @@ def _hold_frozen(accelerator, t, student_path: Path, model, sharded_later: bool,
     kind = accelerator.distributed_type
     if t.frozen_dtype == "fp32" or t.trainable == "lora" or kind == DistributedType.DEEPSPEED or (kind == DistributedType.FSDP and not sharded_later):
         return
-    dtype = _held_dtype(student_path, True)
+    dtype = frozen.storage_dtype(student_path)
     if dtype == torch.float32:
         return
     cast = frozen.cast_frozen(model, dtype) if sharded_later else frozen.hold_frozen(model, dtype)
@@ -766,7 +766,7 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
         ids = batch["input_ids"]
         sync = contextlib.nullcontext() if micro == accum - 1 else accelerator.no_sync(model)
         with sync:
-            with frozen.saved_in_low_precision(), _stopped_before(head) as kept:  # frozen 16-bit weights re-upcast
+            with frozen.saved_in_low_precision(), chunked_head.final_hidden(head) as kept:  # frozen 16-bit weights re-upcast
                 out = model(input_ids=ids, use_cache=False, output_hidden_states=want_hidden)  # logits [b, L or 0, V]
             ce = None if head is None else chunked_head.next_token_ce(kept.hidden, ids, head, chunked_head.softcap_of(model))
             target, hidden = None, None
@@ -804,10 +804,6 @@ def _optimizer_step(accelerator, model, teacher, cache, data_iter, optimizer, sc
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return parts
-
-
-def _stopped_before(head):
-    return contextlib.nullcontext() if head is None else chunked_head.final_hidden(head)
 
 
 def _is_fsdp(accelerator) -> bool:
