@@ -84,6 +84,23 @@ def test_geometric_frequencies_and_bf16_sharded_source(tmp_path, calib):
     assert logits_rel(sharded, tmp_path / "out") < 1e-4  # MQA, d_r = d: the plain ladder is exact
 
 
+def test_a_bf16_source_calibrated_natively_reports_it_and_loses_nothing_measurable(tmp_path, calib, monkeypatch):
+    """`--calib-dtype auto` on a CPU that multiplies bf16 natively: the MLP carries the rows in bf16, the
+    report says so, and the conversion's figures stay within bf16's rounding of the fp32 run's."""
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: True, raising=False)
+    src = save_model(tmp_path / "src", "llama", dtype=torch.bfloat16)
+    reports = {}
+    for calib_dtype in ("fp32", "auto"):
+        out = tmp_path / calib_dtype
+        assert _convert(src, out, calib, "--kv-lora-rank", "12", "--rope-dim", "4", "--calib-dtype", calib_dtype) == 0
+        reports[calib_dtype] = json.loads((out / "attnkit_report.json").read_text())
+    assert reports["fp32"]["calibration"]["mlp_dtype"] == "float32"
+    assert reports["auto"]["calibration"]["mlp_dtype"] == "bfloat16"
+    kl = {k: r["steps"][-1]["kl"] for k, r in reports.items()}
+    assert kl["fp32"] > 1e-3 and abs(kl["auto"] - kl["fp32"]) < 0.02 * kl["fp32"], kl  # 0.15 % apart when written
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--kv-lora-rank", "0"], "--kv-lora-rank must be"),
     (["--kv-lora-rank", "1000"], "--kv-lora-rank must be"),

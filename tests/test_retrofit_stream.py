@@ -70,7 +70,7 @@ def test_streamed_output_equals_the_whole_model_saved(tmp_path, method, kind, ex
     calib = calib_folder(tmp_path / "calib")
     out = tmp_path / "out"
     assert cli_main(["convert", "--to", method, str(src_path), "-o", str(out), "--calib", str(calib),
-                     "--calib-seq-len", "64", "--calib-tokens", "384", *extra]) == 0
+                     "--calib-seq-len", "64", "--calib-tokens", "384", "--calib-dtype", "fp32", *extra]) == 0
     written = json.loads((out / "config.json").read_text())
 
     # the reference: the whole model in memory, as the retrofit was written before it streamed

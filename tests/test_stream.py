@@ -14,7 +14,8 @@ from transformers import Olmo2Config, Olmo2ForCausalLM
 
 from attnkit.converters.measure import SourceAttention
 from attnkit.converters.mla.progress import ConversionProgress
-from attnkit.converters.mla.source import embedded, layer_norms, load_layer, open_source, source_pe, through
+from attnkit.converters.mla.source import (embedded, layer_norms, load_layer, mlp_compute_dtype, open_source, source_pe,
+                                           through)
 from attnkit.converters.stream.engine import finish_layer, last_layer, stream_layers
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -109,3 +110,41 @@ def test_finish_layer_is_the_decoder_layer_post_norms_included(tmp_path, with_re
     finish_layer(module, src, 0, "cpu", norms, source_attn, ref, streams, h_cal)
     for store in (streams["source"], h_cal):
         assert torch.allclose(store.all(), expected, rtol=0, atol=1e-5)
+
+
+def _native(monkeypatch, amx: bool) -> None:
+    """Pretend the CPU does (or does not) multiply bf16 / fp16 natively."""
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: amx, raising=False)
+
+
+@pytest.mark.parametrize("storage, amx, want", [(torch.float32, True, torch.float32), (torch.bfloat16, True, torch.bfloat16),
+                                                (torch.bfloat16, False, torch.float32), (torch.float16, True, torch.float16),
+                                                (torch.float16, False, torch.float32)])
+def test_the_mlp_multiplies_in_a_16_bit_dtype_only_where_the_cpu_does_it_natively(monkeypatch, storage, amx, want):
+    _native(monkeypatch, amx)
+    assert mlp_compute_dtype(storage, "cpu") == want
+
+
+def test_a_bf16_layer_upcast_equals_fp32_bit_for_bit_and_native_is_within_its_rounding(tmp_path, monkeypatch):
+    """`--calib-dtype fp32`: the layer's output is the fp32 load's, bit for bit; `auto` on a native CPU: the
+    MLP in bf16, the output within bf16's rounding of it (and not equal: the path was taken)."""
+    _native(monkeypatch, True)
+    path = save_model(tmp_path / "src", "llama", dtype=torch.bfloat16, num_hidden_layers=2)
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for calib_dtype in ("fp32", "auto"):
+        s = open_source(str(path), calib_dtype=calib_dtype)
+        assert s.mlp_dtype == (torch.float32 if calib_dtype == "fp32" else torch.bfloat16)
+        assert s.calib_note == {"mlp_dtype": str(s.mlp_dtype).removeprefix("torch.")}
+        h = embedded(s, ids, tmp_path / f"{calib_dtype}.f32").all()
+        with torch.no_grad():
+            outs[calib_dtype] = through(load_layer(s, 0, "cpu"), source_pe(s, ids.shape[1], "cpu"))(h)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states[1]  # layer 0 (the last is normed)
+    assert torch.equal(outs["fp32"], want)
+    rel = float((outs["auto"] - want).norm() / want.norm())
+    assert 0 < rel < 1e-2, rel

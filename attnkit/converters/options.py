@@ -21,6 +21,10 @@ class ConvertOptions:
                         "hf:NAME[:CONFIG][:SPLIT]", metavar="SOURCE")
     calib_tokens: int = option(65536, "calibration tokens (default 65536)", metavar="N")
     calib_seq_len: int = option(512, "calibration sequence length", metavar="L")
+    calib_dtype: str = option("auto", "what the source's MLP multiplies the calibration and held-out rows in: auto = "
+                              "a bf16/fp16 checkpoint's own dtype where --device does it natively (AMX or AVX512-BF16 "
+                              "CPUs, CUDA), else fp32; fp32 = always fp32 (what the whole model loaded in fp32 computes)",
+                              choices=("auto", "fp32"))
     seed: int = option(0, "seed for calibration sampling")
     eval: bool = option(False, "then evaluate OUT against MODEL in the same process, as `attnkit eval OUT --baseline "
                         "MODEL --tasks TASKS --out OUT/eval_results.json` would (the model card states it)")

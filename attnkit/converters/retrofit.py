@@ -71,7 +71,7 @@ def retrofit(args: argparse.Namespace, method: RetrofitMethod, source_path: Path
     started = time.time()
     path = source_path or resolve_model(args.model)
     check_output_dir(args.out, args.force, (path,))
-    src = open_source(str(path), check=_family_check(method.name, args.model))
+    src = open_source(str(path), _family_check(method.name, args.model), args.calib_dtype, args.device)
     model_type = src.config["model_type"]
     device = check_device(args.device)
     try:
@@ -88,8 +88,9 @@ def retrofit(args: argparse.Namespace, method: RetrofitMethod, source_path: Path
         scratch = tmp / ".scratch"
         scratch.mkdir()
         try:
-            ppl_original = None if original_path is None else streamed_ppl(open_source(str(original_path)), evaluation,
-                                                                              scratch, device)
+            original = None if original_path is None else open_source(str(original_path), calib_dtype=args.calib_dtype,
+                                                                       device=args.device)
+            ppl_original = None if original is None else streamed_ppl(original, evaluation, scratch, device)
             config, stats, step = _stream(args, method, src, calib, evaluation, out_dtype, config_class, model_class,
                                           tmp, scratch, device)
         finally:
@@ -99,7 +100,7 @@ def retrofit(args: argparse.Namespace, method: RetrofitMethod, source_path: Path
         extras = {**step.pop("extras"), **(method.extras(config, model_class) if method.extras else {})}
         report = _report(args, method.name, src, stats, step, (kv_before, kv_after), out_dtype, config.attnkit,
                          ppl_original, held_note, calib, extras, prior)
-        report["calibration"]["held_out_rows"] = int(evaluation.shape[0])
+        report["calibration"].update(**src.calib_note, held_out_rows=int(evaluation.shape[0]))
         report["wall_time_s"] = round(time.time() - started, 2)
         write_config(src, config, model_class, out_dtype, tmp)
         tokenizer.save_pretrained(tmp)

@@ -86,7 +86,7 @@ def resolve_settings(args: argparse.Namespace, src: Source) -> Settings:
 def convert(args: argparse.Namespace) -> int:
     started = time.time()
     return_freed_memory()
-    src = open_source(args.model, describe)
+    src = open_source(args.model, describe, args.calib_dtype, args.device)
     check_output_dir(args.out, args.force, (src.path,))
     s = resolve_settings(args, src)
     check_device(s.device)
@@ -103,7 +103,7 @@ def convert(args: argparse.Namespace) -> int:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         report["source"]["model"] = args.model
-        report["calibration"].update(held_out_from=held_note, calib_rows=int(calib.shape[0]), held_out_rows=int(held_out.shape[0]))
+        report["calibration"].update(**src.calib_note, held_out_from=held_note, calib_rows=int(calib.shape[0]), held_out_rows=int(held_out.shape[0]))
         report["wall_time_s"] = round(time.time() - started, 2)
         config = json.loads((src.path / "config.json").read_text())
         config["num_key_value_heads"] = s.kv_heads

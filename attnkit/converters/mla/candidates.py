@@ -100,7 +100,7 @@ def prepare(argv: list[str]) -> tuple[Source, Settings, torch.Tensor, torch.Tens
     from attnkit.cli import build_parser
 
     args = build_parser().parse_args(["convert", "--to", "mla", *argv])
-    src = open_source(args.model)
+    src = open_source(args.model, calib_dtype=args.calib_dtype, device=args.device)
     s = resolve_settings(args, src.shape, src.dtype)
     calib, held_out, _ = calibration_tokens(AutoTokenizer.from_pretrained(src.path), s.calib, s.seq_len, s.calib_tokens,
                                             s.eval_tokens, s.seed)

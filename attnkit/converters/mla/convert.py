@@ -79,7 +79,7 @@ def convert(args: argparse.Namespace) -> int:
         return convert_choosing_by_heal(args)
     started = time.time()
     return_freed_memory()
-    src = open_source(args.model)
+    src = open_source(args.model, calib_dtype=args.calib_dtype, device=args.device)
     with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:  # OUT is claimed; a refusal below leaves nothing
         s = resolve_settings(args, src.shape, src.dtype, src.family)
         check_device(s.device)
@@ -96,7 +96,7 @@ def convert(args: argparse.Namespace) -> int:
         report["source"]["model"] = args.model
         if p.budget is not None:
             report["kv_budget"] = p.budget
-        report["calibration"].update(held_out_from=p.held_note, calib_rows=int(p.calib.shape[0]),
+        report["calibration"].update(**src.calib_note, held_out_from=p.held_note, calib_rows=int(p.calib.shape[0]),
                                      held_out_rows=int(p.held_out.shape[0]))
         report["params"] = parameter_report(src.ckpt.shapes(), LazyCheckpoint(tmp).shapes(), params_why(report, src.shape))
         report["wall_time_s"] = round(time.time() - started, 2)
