@@ -186,8 +186,9 @@ def _convert_layer(src: Source, s: Settings, layer: int, module: torch.nn.Module
         if identity:  # nothing to merge: the source's tensors, bit for bit
             stages = {}
         else:
-            mom = moment(module, fam, h_cal, shape, dev).value
-            stages, info_math = gm.convert_layer(aw, shape, s.kv_heads, s.merge, mom, scale=KEY_SCALE)
+            # the moment ([D+1, D+1] fp64, 34 MB at a 1B width) is freed on return, before the refit and the MLP
+            stages, info_math = gm.convert_layer(aw, shape, s.kv_heads, s.merge, moment(module, fam, h_cal, shape, dev).value,
+                                                 scale=KEY_SCALE)
             info.update(info_math)
         source_attn = lambda x: module.self_attn(hidden_states=x, position_embeddings=pe, attention_mask=None)[0]  # noqa: E731
         if "refit" in STAGES[s.merge] and stages:
@@ -203,6 +204,7 @@ def _convert_layer(src: Source, s: Settings, layer: int, module: torch.nn.Module
                 attend = lambda x, a=attn: a(hidden_states=x, position_embeddings=pe, attention_mask=None)[0]  # noqa: E731
                 errs[k] = measure_stage(attend, ref, norm1, streams[k], attn_err[k], dev, post1)
                 del attn
+            stages = {final: stages[final]}  # only what is written outlives the measurement (not beside the MLP)
     # the calibration rows are read only by a later layer's merge
     finish_layer(module, src, layer, dev, norms, source_attn, ref, streams,
                  None if last_layer(src, layer) or identity else h_cal)

@@ -343,6 +343,7 @@ def convert_layer(aw: AttnWeights, shape: Shape, n_kv: int, method: str, mom: to
     by_index = contiguous_groups(shape.G, n_kv)
     groups = choose_groups(cost, n_kv)
     aligned = align_all(h, groups, mom, scale)
+    del h  # the source's fp64 heads (84 MB at a 1B width) are not read again
     info = {"groups": groups, "within_group_cost": _within(cost, groups), "within_group_cost_by_index": _within(cost, by_index)}
     merged = merge(aligned, groups, mom, weighted=True)
     if QUERY_REFIT:

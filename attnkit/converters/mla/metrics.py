@@ -87,10 +87,9 @@ def logits_metrics(source: torch.Tensor, others: dict[str, torch.Tensor], target
     n = source.shape[0]
     src, runs = _Source.new(n), {k: _Stage.new(n) for k in others}
     for lo, w in head_chunks():
-        w = w.float()
         step = max(64, (1 << 21) // max(1, n))  # bound the [tokens, rows] fp64 temporaries to ~16 MB
         for sub in range(0, w.shape[0], step):
-            ws = w[sub : sub + step]
+            ws = w[sub : sub + step].float()  # upcast a sub-block, not the chunk: a 1B head's 8,192 rows are 64 MB in fp32
             a = cap((source.float() @ ws.T).double())
             new_m = torch.maximum(src.m, a.max(dim=1).values)
             keep = torch.exp(src.m - new_m)
