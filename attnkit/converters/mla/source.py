@@ -85,15 +85,14 @@ def mlp_compute_dtype(storage: torch.dtype, device: str) -> torch.dtype:
     return storage if any(getattr(torch.cpu, name, lambda: False)() for name in native) else torch.float32
 
 
-def load_layer(src: Source, layer: int, device: str, mlp: bool = True, mlp_fp32: bool = False) -> torch.nn.Module:
+def load_layer(src: Source, layer: int, device: str, mlp: bool = True) -> torch.nn.Module:
     """The source decoder layer (transformers' own class) with its weights, fp32 on `device`;
     without `mlp` its MLP stays on the meta device until `load_mlp`. MLP weights stay in the source
-    dtype, upcast per call (they are most of a layer's bytes), unless `mlp_fp32`: then the layer
-    computes exactly what the whole model loaded in fp32 computes (the retrofits' bit-identity)."""
+    dtype (they are most of a layer's bytes) and multiply in `src.mlp_dtype` (`_StoredLinear`): upcast
+    per call under fp32, which computes exactly what the whole model loaded in fp32 computes."""
     prefix = f"{src.prefix}{layer}."
     names = [n for n in src.ckpt.keys() if n.startswith(prefix) and (mlp or ".mlp." not in n)]
-    keep = lambda n: ".mlp." in n and not mlp_fp32  # noqa: E731
-    state = {n[len(prefix):]: src.ckpt.get(n, dtype=None if keep(n) else torch.float32, device=device) for n in names}
+    state = {n[len(prefix):]: src.ckpt.get(n, dtype=None if ".mlp." in n else torch.float32, device=device) for n in names}
     with torch.device("meta"):
         module = src.family.decoder_layer_class()(src.hf_config, layer)
     try:
@@ -117,7 +116,7 @@ def load_mlp(module: torch.nn.Module, src: Source, layer: int, device: str) -> N
     _upcast_mlp(module, src.mlp_dtype)
 
 
-def _upcast_mlp(module: torch.nn.Module, compute: torch.dtype = torch.float32) -> None:
+def _upcast_mlp(module: torch.nn.Module, compute: torch.dtype) -> None:
     for name, child in list(module.mlp.named_children()):
         if isinstance(child, torch.nn.Linear) and child.weight.dtype != torch.float32:
             setattr(module.mlp, name, _StoredLinear(child, compute))
