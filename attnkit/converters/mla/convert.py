@@ -24,14 +24,13 @@ from transformers import AutoTokenizer
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
 from attnkit.converters.common import calibration_text, check_device
-from attnkit.converters.measure import SourceAttention, heap_reuse, measure_stage, measure_streams, return_freed_memory
+from attnkit.converters.measure import SourceAttention, measure_stage, measure_streams, return_freed_memory
 from attnkit.converters.mla import heal_choice, layer as mla
 from attnkit.converters.mla.candidates import choose_split, rope_score_pass, rope_slots, selection_tokens
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
 from attnkit.converters.mla.metrics import ErrorStat
-from attnkit.converters.mla.engines import (ANCHOR_RATIOS, MIX_CHANNELS, KvbRefit, anchor_row, engine_attention_tensors,
-                                            latent_rows, norm_spread, normalised_latent,
-                                            pad_value_heads, steady_mix)
+from attnkit.converters.mla.engine_fit import engine_tensors
+from attnkit.converters.mla.engines import pad_value_heads
 from attnkit.converters.mla.progress import ConversionProgress
 from attnkit.converters.mla.native import (Target, constant_for, native_attention_tensors, target_for,
                                            written_attention)
@@ -53,7 +52,6 @@ from attnkit.converters.stream.outside import write_outside_layers
 
 STAGES = ("exact", "rope", "balance", "low-rank", "native")
 REFIT_STAGES = ("exact", "rope", "balance", "low-rank", "refit", "native")  # with --refit-query
-MIX_FIT_TOKENS = 16384  # calibration tokens (strided) the engine form's latent mix is fitted on
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
@@ -303,7 +301,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, module: tor
                 if s.format == "attnkit":
                     tensors = attnkit_tensors(mla.on_device(p32, "cpu"), src.shape, module.self_attn)
                 elif t.engine:
-                    tensors, engine_info = _engine_tensors(mla.on_device(p32, "cpu"), shape, norm1, mom, h_cal, dev)
+                    tensors, engine_info = engine_tensors(mla.on_device(p32, "cpu"), shape, norm1, mom, h_cal, dev)
                 else:
                     tensors = native_attention_tensors(mla.on_device(p32, "cpu"), shape, constant_for(z_max, s.out_dtype),
                                                        constant_for(stat.max_norm, s.out_dtype) if t.q_bias else None)
@@ -325,56 +323,6 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, module: tor
         t.writer.add(f"model.layers.{layer}.{name}", v.to(s.out_dtype))
     return {"layer": layer, "beta": beta, "rope_components": {"virtual_head": rope_plan.kept_j.tolist(),
             "frequency_index": rope_plan.kept_i.tolist()}, "attn_rel_err_mean": layer_errs, **engine_info, **view.info}
-
-
-def _engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1, mom: torch.Tensor, h_cal: RowStore,
-                    dev: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """The engine form of one layer: kv_b refit on the normalised latents of the calibration rows for
-    every anchor ratio at once (the anchor's direction is the same, only its size differs; one pass
-    over the rows); the ratio whose refit reconstructs K and V best is kept. Then the latent is mixed
-    to a steadier norm (`steady_mix`, fitted on a strided sample of the rows) and refit again; the mix
-    is kept when its refit is better."""
-    unit = anchor_row(mom, p.lat_w.double(), 1.0)
-    refits = {ratio: KvbRefit(p.lat_w.shape[0]) for ratio in ANCHOR_RATIOS}
-    lat = torch.cat([p.lat_w.double(), unit[None]]).float().to(dev)  # [m + 1, D]
-    stride = max(1, -(-h_cal.rows * h_cal.row_shape[0] // MIX_FIT_TOKENS))
-    sample = []  # [N, m + 1] latents at unit anchor, every stride-th calibration token
-    for _, b in h_cal.blocks(ROW_BATCH):
-        c = (norm1(b.to(dev)) @ lat.T).double()  # [1, T, m + 1]: data latent, then the unit anchor
-        sample.append(c.reshape(-1, c.shape[-1])[::stride].cpu())
-        data = c[..., :-1].reshape(-1, c.shape[-1] - 1).cpu()
-        gram = data.T @ data  # the same for every ratio
-        for ratio, refit in refits.items():
-            refit.add(data, normalised_latent(torch.cat([c[..., :-1], ratio * c[..., -1:]], -1)).cpu(), gram)
-    errors, best = {}, None
-    for ratio, refit in refits.items():  # one [H, 2d, m + 1] solution alive besides the best
-        kv_b = refit.solve(p.kvb_w)
-        errors[ratio] = refit.relative_error(p.kvb_w, kv_b)
-        if best is None or errors[ratio] < errors[best[0]]:
-            best = (ratio, kv_b)
-        del kv_b
-    ratio, kv_b = best
-    z = torch.cat(sample)
-    sample.clear()  # the pieces would double z's bytes through the mix's fit
-    z[:, -1] *= ratio
-    with heap_reuse(z.shape[0] * min(z.shape[1], MIX_CHANNELS) * 4):  # hundreds of [N, k] fp32 temporaries
-        mix = steady_mix(z)
-    rows = latent_rows(p.lat_w, ratio * unit, mix)  # [m + 1, D]
-    refit, mixed_lat = KvbRefit(p.lat_w.shape[0]), rows.float().to(dev)
-    for _, b in h_cal.blocks(ROW_BATCH):
-        x = norm1(b.to(dev))
-        refit.add((x @ p.lat_w.T.to(dev)).double().cpu(), normalised_latent((x @ mixed_lat.T).double()).cpu())
-    kv_b_mixed = refit.solve(p.kvb_w)
-    mixed_err = refit.relative_error(p.kvb_w, kv_b_mixed)
-    info = {"anchor_ratio": ratio, "kv_refit_rel_err_by_ratio": {str(r): e for r, e in errors.items()},
-            "norm_spread": {"anchor": norm_spread(z), "mixed": norm_spread(z @ mix.T)},
-            "mix_kept": mixed_err < errors[ratio]}
-    if info["mix_kept"]:
-        kv_b, err = kv_b_mixed, mixed_err
-    else:
-        rows, err = latent_rows(p.lat_w, ratio * unit), errors[ratio]
-    tensors = engine_attention_tensors(p, shape, norm1.weight.detach().cpu(), rows, kv_b)
-    return tensors, {**info, "kv_refit_rel_err": err}
 
 
 def _exact_by_group(aw: mla.AttnWeights, shape: mla.Shape, mom: torch.Tensor, t: _Layers, dev: str):

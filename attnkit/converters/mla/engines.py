@@ -30,7 +30,8 @@ import torch
 from attnkit.converters.mla.layer import MLAParams, Shape
 
 # anchor channel's mean / the data channels' RMS norm, tried per layer (0: no anchor); the converter keeps the
-# one whose kv_b refit reconstructs K and V best (an embedding layer has no steady direction to anchor on)
+# one whose kv_b refit reconstructs K and V best on calibration rows the fits did not see (`engine_fit.py`; an
+# embedding layer has no steady direction to anchor on)
 ANCHOR_RATIOS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
@@ -144,6 +145,13 @@ class KvbRefit:
         self.cross += c.T @ n
         self.gram += n.T @ n
         self.data += c.T @ c if data is None else data
+
+    def merged(self, other: "KvbRefit") -> "KvbRefit":
+        """The refit over both sets of rows (the moments summed)."""
+        both = KvbRefit(self.cross.shape[0])
+        for name in ("cross", "gram", "data"):
+            setattr(both, name, getattr(self, name) + getattr(other, name))
+        return both
 
     def relative_error(self, kvb_w: torch.Tensor, kv_b: torch.Tensor) -> float:
         """sum_t |B n_t - K c_t|^2 / sum_t |K c_t|^2 for K = kvb_w and B = kv_b = solve(kvb_w): what the
