@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mla_fixtures import family_model  # noqa: E402
 
 
-def _both(batch, length, width, vocab, rows, bias, softcap):
+def _both(batch, length, width, vocab, rows, bias, softcap, block=None):
     """(chunked, whole) losses and gradients of the same hidden states and head."""
     gen = torch.Generator().manual_seed(batch * 1000 + length * 10 + vocab)
     hidden = torch.randn(batch, length, width, generator=gen) * 3
@@ -31,7 +31,8 @@ def _both(batch, length, width, vocab, rows, bias, softcap):
         h = hidden.clone().requires_grad_(True)
         head.zero_grad()
         if chunked:
-            loss = chunked_head.next_token_ce(h, ids, head, softcap, chunk_bytes=rows * 4 * vocab)
+            loss = chunked_head.next_token_ce(h, ids, head, softcap, chunk_bytes=rows * 4 * vocab,
+                                              block_bytes=None if block is None else block * 4 * width)
         else:
             logits = head(h)
             if softcap is not None:
@@ -45,12 +46,33 @@ def _both(batch, length, width, vocab, rows, bias, softcap):
 @settings(max_examples=25, deadline=None)
 @given(batch=st.integers(1, 3), length=st.integers(2, 40), width=st.sampled_from([8, 16, 24]),
        vocab=st.integers(5, 300), rows=st.integers(1, 50), bias=st.booleans(),
-       softcap=st.sampled_from([None, 5.0, 30.0]))
-def test_chunked_cross_entropy_is_the_whole_logits_one(batch, length, width, vocab, rows, bias, softcap):
-    (loss, g_h, g_w), (loss0, g_h0, g_w0) = _both(batch, length, width, vocab, rows, bias, softcap)
+       softcap=st.sampled_from([None, 5.0, 30.0]), block=st.one_of(st.none(), st.integers(1, 300)))
+def test_chunked_cross_entropy_is_the_whole_logits_one(batch, length, width, vocab, rows, bias, softcap, block):
+    """Chunks of positions, and the head in blocks of vocabulary rows (`block`: rows per block; None: the default
+    64 MiB, one block here)."""
+    (loss, g_h, g_w), (loss0, g_h0, g_w0) = _both(batch, length, width, vocab, rows, bias, softcap, block)
     assert torch.allclose(loss, loss0, rtol=1e-6, atol=1e-6)
     assert torch.allclose(g_h, g_h0, rtol=1e-5, atol=1e-7)
     assert torch.allclose(g_w, g_w0, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_head_upcast_block_by_block_computes_what_its_fp32_copy_does(dtype):
+    """A frozen head held in 16 bits is upcast a block of vocabulary rows at a time, never whole: the loss and
+    the gradient to the hidden states are those of the same head stored in fp32, bit for bit (the same blocks)."""
+    torch.manual_seed(0)
+    low = torch.nn.Linear(24, 1000, bias=False).to(dtype).requires_grad_(False)
+    full = torch.nn.Linear(24, 1000, bias=False).requires_grad_(False)
+    full.weight.copy_(low.weight.float())
+    hidden, ids = torch.randn(2, 33, 24), torch.randint(0, 1000, (2, 33))
+    out = []
+    for head in (low, full):
+        h = hidden.clone().requires_grad_(True)
+        loss = chunked_head.next_token_ce(h, ids, head, chunk_bytes=7 * 4 * 1000, block_bytes=64 * 4 * 24)  # 16 blocks
+        loss.backward()
+        out.append((loss.detach(), h.grad))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    assert low.weight.dtype == dtype and low.weight.grad is None
 
 
 def test_the_logits_of_one_chunk_at_a_time():

@@ -133,9 +133,16 @@ def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     assert ddp["processes"] == fsdp["processes"] == 2
     assert [p["distributed_type"] for p in ddp["probes"]] == ["DistributedType.MULTI_CPU"] * 2
     assert [p["distributed_type"] for p in fsdp["probes"]] == ["DistributedType.FSDP"] * 2
-    assert all(p["sharded_params"] == p["params"] > 0 for p in fsdp["probes"])
-    for key in ("student_weights", "adam_state"):  # each process holds its shard: the two add up to DDP's copy
-        assert sum(p[key] for p in fsdp["probes"]) == ddp["probes"][0][key]
+    # the student's frozen 16-bit embeddings and LM head (one table here: tied) whole on each process
+    # (sharded_load.kept_whole), the rest sharded: each process holds its shard, the two add up to DDP's copy,
+    # plus one more of the whole table
+    start = weights(pair["student"])
+    tables = [k for k in ("model.embed_tokens.weight", "lm_head.weight") if k in start]
+    assert all(p["sharded_params"] == p["params"] - len(tables) > 0 for p in fsdp["probes"])
+    whole = sum(start[k].numel() * 2 for k in tables)  # bf16
+    assert sum(p["student_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["student_weights"] + whole
+    assert sum(p["adam_state"] for p in fsdp["probes"]) == ddp["probes"][0]["adam_state"]
+    assert any(n.startswith(f"{len(tables)} frozen embedding table(s) held whole in 16 bits") for n in fsdp["notes"])
     # the teacher sharded too, its untied embeddings and LM head included: only the final norm (32 bf16) is whole
     assert sum(p["teacher_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["teacher_weights"] + 32 * 2
     assert ddp["probes"][0]["teacher_weights"] == sum(t.numel() * 2 for t in weights(pair["teacher"]).values())  # bf16

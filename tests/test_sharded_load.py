@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from mla_fixtures import family_model
 from test_fsdp_cpu import fsdp_on_cpu_unavailable
 from test_real_configs import NAMES
 
@@ -82,3 +84,51 @@ def test_sharded_teacher_equals_from_pretrained_on_every_real_config(tmp_path):
         assert r["layers"] == 2, (name, r)
         assert r["head_sharded"] == (not r["tied"]), (name, r)  # untied LM heads are FSDP units of their own
         assert held[name] == {"equal": True, "dtypes": ["torch.bfloat16"]}, (name, held[name])
+
+
+def _plugin_accelerator(offload: bool = False, mixed_precision: str = "no"):
+    import types
+
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = types.SimpleNamespace(cpu_offload=CPUOffloadPolicy() if offload else None)
+    return types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), device=torch.device("cpu"),
+                                 mixed_precision=mixed_precision)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_frozen_16_bit_embedding_tables_are_kept_out_of_fsdp(tied):
+    """`sharded_load.kept_whole`: the student's embeddings and LM head when frozen and held in 16 bits in a run
+    that computes in fp32 (FSDP then leaves them whole and they are computed in fp32), and not when one trains,
+    is fp32, the run computes in bf16, or FSDP offloads its parameters."""
+    from attnkit.training import frozen
+    from attnkit.training.sharded_load import kept_whole
+
+    model, _ = family_model("smollm" if tied else "llama")
+    model.requires_grad_(False)
+    assert kept_whole(model, _plugin_accelerator()) == []  # fp32: FSDP shards them as before
+    frozen.cast_frozen(model, torch.bfloat16)
+    found = kept_whole(model, _plugin_accelerator())
+    assert found == [model.get_input_embeddings(), model.get_output_embeddings()]
+    assert (found[0].weight is found[1].weight) == tied
+    assert kept_whole(model, _plugin_accelerator(offload=True)) == []
+    assert kept_whole(model, _plugin_accelerator(mixed_precision="bf16")) == []  # gathered in bf16 there, as before
+    model.get_output_embeddings().weight.requires_grad_(True)  # a trained head (tied: the embeddings too) stays sharded
+    assert kept_whole(model, _plugin_accelerator()) == ([] if tied else [model.get_input_embeddings()])
+
+
+def test_a_16_bit_embedding_computes_in_fp32_after_fsdp_swaps_its_class():
+    """`frozen.compute_in_fp32` looks a 16-bit embedding's rows up in 16 bits and upcasts them (no fp32 table) also
+    when FSDP2's `fully_shard` has swapped the module's class for its subclass `FSDPEmbedding(FSDPModule, Embedding)`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from attnkit.training import frozen
+
+    emb = torch.nn.Embedding(10, 4).to(torch.bfloat16)
+    emb.__class__ = type("FSDPEmbedding", (FSDPModule, torch.nn.Embedding), {})  # as fully_shard builds it
+    assert frozen._built_class(emb) is torch.nn.Embedding
+    holder = torch.nn.Sequential(emb)
+    assert frozen.compute_in_fp32(holder) == 1
+    out = holder(torch.tensor([[1, 2, 3]]))
+    assert out.dtype == torch.float32 and torch.equal(out, emb.weight[[1, 2, 3]].float()[None])
+    assert emb.weight.dtype == torch.bfloat16

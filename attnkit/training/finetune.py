@@ -472,10 +472,16 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     scheduler = build_scheduler(optimizer, data.total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio,
                                 t.decay_fraction)
     loader = batches.train_loader(data.dataset, t.per_device_batch_size)
-    with sharded_load.shards_only(accelerator) if fill_after else contextlib.nullcontext():
+    whole = sharded_load.kept_whole(model, accelerator) if fill_after else []
+    with sharded_load.shards_only(accelerator, whole) if fill_after else contextlib.nullcontext():
         model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if fill_after:
         sharded_load.fill_prepared(model, inputs.student_path, sharded_load.shard_device(accelerator))
+    if whole:
+        frozen.compute_in_fp32(model)  # the modules FSDP left whole hold 16-bit weights: computed in fp32
+        tables = len({id(p) for module in whole for p in module.parameters()})  # tied: one table, two modules
+        notes.append(f"{tables} frozen embedding table(s) held whole in 16 bits on every process, not sharded "
+                     "(FSDP would gather each in fp32 at every step)")
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
     masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
     head = _chunked_head(accelerator, recipe, model, notes)

@@ -69,16 +69,20 @@ def _is_dtensor(param: torch.Tensor) -> bool:
 _SOURCES: dict[int, torch.Tensor] = {}
 
 
-def _upcast_own(module: torch.nn.Module, names: tuple[str, ...]) -> None:
+def _upcast_own(module: torch.nn.Module, names: tuple[str, ...], stand_in: bool = False) -> None:
     """The module's 16-bit parameters replaced by fp32 copies for its forward (the parameter objects are
-    set aside, not changed: autograd may hold them)."""
+    set aside, not changed: autograd may hold them). `stand_in` (a call on no rows): fp32 tensors of the
+    same shapes that hold one zero (`expand`), no copy; the forward computes nothing from them."""
     stash = {}
     for name in names:
         low = module._parameters[name]
-        copy = low.float()
+        if stand_in:
+            copy = torch.zeros((), dtype=torch.float32, device=low.device).expand(low.shape)
+        else:
+            copy = low.float()
+            if copy.numel():  # an empty tensor has no storage address of its own
+                _SOURCES[copy.untyped_storage().data_ptr()] = low
         stash[name] = low
-        if copy.numel():  # an empty tensor has no storage address of its own
-            _SOURCES[copy.untyped_storage().data_ptr()] = low
         module._parameters[name] = copy
     module._attnkit_low_precision = stash
 
@@ -133,6 +137,20 @@ def hold_frozen(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return cast
 
 
+def _no_rows(args: tuple) -> bool:
+    """A call on an empty input (the chunked cross-entropy's LM head, `chunked_head.final_hidden`)."""
+    return bool(args) and torch.is_tensor(args[0]) and args[0].numel() == 0
+
+
+def _built_class(module: torch.nn.Module) -> type:
+    """The module's class as the model built it: FSDP2's `fully_shard` swaps it for a subclass
+    `FSDP<Name>(FSDPModule, <Name>)`, also on a module whose parameters it leaves alone."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    return next(b for b in cls.__bases__ if b is not FSDPModule) if isinstance(module, FSDPModule) else cls
+
+
 def compute_in_fp32(model: torch.nn.Module) -> int:
     """Hook every module that owns 16-bit parameters (FSDP-sharded ones excepted) so that its forward sees
     them in fp32 and they return to 16 bits after it, even when it raises. Returns the number of modules
@@ -143,10 +161,10 @@ def compute_in_fp32(model: torch.nn.Module) -> int:
                       if p is not None and p.dtype in LOW_PRECISION and not _is_dtensor(p))
         if not names:
             continue
-        if type(module) is torch.nn.Embedding:  # look rows up in 16 bits, upcast them: no fp32 table
+        if _built_class(module) is torch.nn.Embedding:  # look rows up in 16 bits, upcast them: no fp32 table
             module.register_forward_hook(lambda m, args, out: out.float())
         else:
-            module.register_forward_pre_hook(lambda m, args, names=names: _upcast_own(m, names))
+            module.register_forward_pre_hook(lambda m, args, names=names: _upcast_own(m, names, _no_rows(args)))
             module.register_forward_hook(lambda m, args, out: _restore_own(m), always_call=True)
         hooked += 1
     return hooked

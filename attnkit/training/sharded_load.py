@@ -89,19 +89,52 @@ def empty_student(path: Path, trust_remote_code: bool) -> tuple[torch.nn.Module,
 
 
 @contextmanager
-def shards_only(accelerator) -> Iterator[None]:
+def shards_only(accelerator, whole: list[torch.nn.Module] = ()) -> Iterator[None]:
     """accelerate's FSDP2 preparation of a model on the meta device, without its own loading: with
     `cpu_ram_efficient_loading` it would broadcast the main process's weights, which are not read yet.
     Without a compute dtype in its mixed-precision policy (fp32 runs), the shards are gathered in fp32:
-    frozen ones held in 16 bits (`frozen.cast_frozen`) are then computed in fp32 like the rest."""
+    frozen ones held in 16 bits (`frozen.cast_frozen`) are then computed in fp32 like the rest. The modules
+    in `whole` are left out of FSDP (its `ignored_modules`): every process holds them whole (`kept_whole`)."""
     plugin = accelerator.state.fsdp_plugin
-    loading, policy = plugin.cpu_ram_efficient_loading, plugin.mixed_precision_policy
+    loading, policy, ignored = plugin.cpu_ram_efficient_loading, plugin.mixed_precision_policy, plugin.ignored_modules
     plugin.cpu_ram_efficient_loading = False
     plugin.mixed_precision_policy = computing_policy(policy)
+    if whole:
+        for module in whole:  # accelerate moves ignored modules to the device: a meta tensor cannot be moved
+            module.to_empty(device=accelerator.device)  # (filled from the checkpoint after, as the shards are)
+        plugin.ignored_modules = list(whole)
     try:
         yield
     finally:
         plugin.cpu_ram_efficient_loading, plugin.mixed_precision_policy = loading, policy
+        plugin.ignored_modules = ignored
+
+
+def kept_whole(model: torch.nn.Module, accelerator) -> list[torch.nn.Module]:
+    """The student's input embeddings and LM head, when every parameter they own is frozen and held in 16
+    bits (`frozen.cast_frozen`), to be left out of FSDP: a vocabulary-sized table gathered in fp32 costs
+    more than it saves. FSDP would gather the whole table in fp32 for each forward (the embeddings: for a
+    lookup of a few rows) and keep the LM head gathered from the forward's end to the backward's start,
+    each gather with its all-gather buffers besides: on the Llama-3.2-1B width, 1 GB tables, +2.0 GB for
+    the embeddings' gather and +1.7 GB for the head's, per process, every step. Held whole in 16 bits
+    (0.25 GB more each than a shard at 2 processes) and computed in fp32 (`frozen.compute_in_fp32`: the
+    embeddings look their rows up in 16 bits), they compute the same values. Only where the run computes in
+    fp32 (`--mixed_precision no`, as CPU processes run): a bf16 run gathers them in bf16, half the bytes, and
+    its mix of bf16 FSDP units and fp32-computed modules has not been run here. Not under parameter offload
+    (the shards live on the CPU there, and so would these)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if getattr(accelerator, "mixed_precision", "no") != "no" or \
+            isinstance(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy):
+        return []
+    found = []
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, get, lambda: None)()
+        params = [] if module is None else list(module.parameters())
+        if params and all(not p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in params) \
+                and module not in found:
+            found.append(module)
+    return found
 
 
 def computing_policy(policy):
