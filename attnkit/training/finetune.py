@@ -492,7 +492,8 @@ def _chunked_head(accelerator, recipe: Recipe, model, notes: list):
     """The student's LM head when its loss needs no whole logits (cross-entropy without KL) and the model's
     logits are its head's output (`chunked_head.matches`, on a few positions): the cross-entropy then runs
     the head a chunk of positions at a time (`train.chunked_head: false` keeps the whole logits). Under FSDP
-    the head's weight is used as the model's forward left it gathered; not under DeepSpeed, whose engine
+    the head's weight is used whole where FSDP leaves it out (`sharded_load.kept_whole`), else as the model's
+    forward left it gathered; not under DeepSpeed, whose engine
     gathers ZeRO-3 partitions inside its own forward only."""
     from accelerate.utils import DistributedType
 
