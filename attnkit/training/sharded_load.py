@@ -17,7 +17,7 @@ teacher at once, before training starts (a 70B pair on 8 GPUs: 16 × 280 GB of h
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint
 from attnkit.sdpa import fused_kwargs
+from attnkit.training.frozen import LOW_PRECISION
 from attnkit.training.trainable import canonical_name, constant_channel_map
 
 
@@ -89,7 +90,7 @@ def empty_student(path: Path, trust_remote_code: bool) -> tuple[torch.nn.Module,
 
 
 @contextmanager
-def shards_only(accelerator, whole: list[torch.nn.Module] = ()) -> Iterator[None]:
+def shards_only(accelerator, whole: Sequence[torch.nn.Module] = ()) -> Iterator[None]:
     """accelerate's FSDP2 preparation of a model on the meta device, without its own loading: with
     `cpu_ram_efficient_loading` it would broadcast the main process's weights, which are not read yet.
     Without a compute dtype in its mixed-precision policy (fp32 runs), the shards are gathered in fp32:
@@ -131,7 +132,7 @@ def kept_whole(model: torch.nn.Module, accelerator) -> list[torch.nn.Module]:
     for get in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, get, lambda: None)()
         params = [] if module is None else list(module.parameters())
-        if params and all(not p.requires_grad and p.dtype in (torch.bfloat16, torch.float16) for p in params) \
+        if params and all(not p.requires_grad and p.dtype in LOW_PRECISION for p in params) \
                 and module not in found:
             found.append(module)
     return found
