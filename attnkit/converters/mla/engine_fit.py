@@ -22,10 +22,11 @@ from attnkit.converters.measure import heap_reuse
 from attnkit.converters.mla import layer as mla
 from attnkit.converters.mla.engines import (ANCHOR_RATIOS, MIX_CHANNELS, KvbRefit, anchor_row, engine_attention_tensors,
                                             latent_rows, norm_spread, normalised_latent, steady_mix)
-from attnkit.converters.mla.source import ROW_BATCH, Moment
+from attnkit.converters.mla.source import Moment
 from attnkit.converters.stream.rowstore import RowStore
 
 HOLD_EVERY = 8  # every 8th calibration row judges the fits of the other seven (none below 8 rows: judged in-sample)
+# The rows are read one at a time (`blocks(1)`): the split is per row, so a block is all fit or all held.
 MIX_FIT_TOKENS = 16384  # calibration tokens (strided) the engine form's latent mix is fitted on
 
 
@@ -34,7 +35,7 @@ class Held:
 
     def __init__(self, rows: int):
         self.every = HOLD_EVERY if rows >= HOLD_EVERY else 0
-        self.rows = [i for i in range(rows) if self.every and i % self.every == self.every - 1]
+        self.rows = [i for i in range(rows) if self(i)]
 
     def __call__(self, row: int) -> bool:
         return bool(self.every) and row % self.every == self.every - 1
@@ -51,10 +52,9 @@ class Judged:
     def part(self, is_held: bool) -> KvbRefit:
         return self.judge if is_held else self.fit
 
-    def solve_and_judge(self, kvb_w: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """(kv_b fitted on the fit rows, its relative K/V error on the held rows)."""
-        kv_b = self.fit.solve(kvb_w)
-        return kv_b, self.judge.relative_error(kvb_w, kv_b)
+    def judged_error(self, kvb_w: torch.Tensor) -> float:
+        """The relative K/V error, on the held rows, of kv_b fitted on the fit rows."""
+        return self.judge.relative_error(kvb_w, self.fit.solve(kvb_w))
 
     def solve_all(self, kvb_w: torch.Tensor) -> torch.Tensor:
         """kv_b fitted on every row, once the choices are made (fit + held moments summed)."""
@@ -84,7 +84,7 @@ def _ratio_refits(lat: torch.Tensor, norm1, h_cal: RowStore, held: Held, dev: st
     fit_rows = h_cal.rows - len(held.rows)
     stride = max(1, -(-fit_rows * h_cal.row_shape[0] // MIX_FIT_TOKENS))
     sample = []
-    for lo, b in h_cal.blocks(ROW_BATCH):
+    for lo, b in h_cal.blocks(1):
         c = (norm1(b.to(dev)) @ lat.T).double()  # [1, T, m + 1]: data latent, then the unit anchor
         if not held(lo):
             sample.append(c.reshape(-1, c.shape[-1])[::stride].cpu())
@@ -98,7 +98,7 @@ def _ratio_refits(lat: torch.Tensor, norm1, h_cal: RowStore, held: Held, dev: st
 def _mixed_refit(p: mla.MLAParams, rows: torch.Tensor, norm1, h_cal: RowStore, held: Held, dev: str) -> Judged:
     """The refit of `kv_b_proj` on the normalised latents of the mixed latent rows [m + 1, D]."""
     refit, mixed_lat, data_lat = Judged(p.lat_w.shape[0], held), rows.float().to(dev), p.lat_w.T.to(dev)
-    for lo, b in h_cal.blocks(ROW_BATCH):
+    for lo, b in h_cal.blocks(1):
         x = norm1(b.to(dev))
         refit.part(held(lo)).add((x @ data_lat).double().cpu(), normalised_latent((x @ mixed_lat.T).double()).cpu())
     return refit
@@ -114,7 +114,7 @@ def engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1: Callable, mom: tor
     held = Held(h_cal.rows)
     unit = anchor_row(fit_moment(mom, norm1, h_cal, held, dev), p.lat_w.double(), 1.0)
     refits, z = _ratio_refits(torch.cat([p.lat_w.double(), unit[None]]).float().to(dev), norm1, h_cal, held, dev)
-    errors = {ratio: refit.solve_and_judge(p.kvb_w)[1] for ratio, refit in refits.items()}
+    errors = {ratio: refit.judged_error(p.kvb_w) for ratio, refit in refits.items()}
     ratio = min(ANCHOR_RATIOS, key=lambda r: errors[r])  # the first of equals, as the order of the ratios
     chosen = refits[ratio]
     del refits
@@ -123,7 +123,7 @@ def engine_tensors(p: mla.MLAParams, shape: mla.Shape, norm1: Callable, mom: tor
         mix = steady_mix(z)
     rows = latent_rows(p.lat_w, ratio * unit, mix)  # [m + 1, D]
     mixed = _mixed_refit(p, rows, norm1, h_cal, held, dev)
-    mixed_err = mixed.solve_and_judge(p.kvb_w)[1]
+    mixed_err = mixed.judged_error(p.kvb_w)
     info = {"anchor_ratio": ratio, "kv_refit_rel_err_by_ratio": {str(r): e for r, e in errors.items()},
             "norm_spread": {"anchor": norm_spread(z), "mixed": norm_spread(z @ mix.T)},
             "mix_kept": mixed_err < errors[ratio], "held_rows": len(held.rows)}
