@@ -49,6 +49,7 @@ PROBE = r'''
 import json, os, signal, sys, threading, time
 import torch
 import attnkit.training.finetune as ft
+import attnkit.training.models as models
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -85,14 +86,13 @@ def before_models(load):
         return load(*args, **kwargs)
     return probed
 ft.load_teacher = before_models(ft.load_teacher)
-if hasattr(ft, "load_fsdp_teacher"):  # FSDP: the teacher read shard by shard
-    ft.load_fsdp_teacher = before_models(ft.load_fsdp_teacher)
-seen["whole_loads"] = []  # the models this process read whole (from_pretrained)
-real_load_causal_lm = ft.load_causal_lm
+ft.load_fsdp_teacher = before_models(ft.load_fsdp_teacher)  # FSDP: the teacher read shard by shard
+seen["whole_loads"] = []  # the models this process read whole (from_pretrained): student and teacher alike
+real_load_causal_lm = models.load_causal_lm
 def probed_load_causal_lm(path, *args, **kwargs):
     seen["whole_loads"].append(str(path))
     return real_load_causal_lm(path, *args, **kwargs)
-ft.load_causal_lm = probed_load_causal_lm
+models.load_causal_lm = probed_load_causal_lm
 
 def record_grad_norms(accelerator, model):
     """Step 1 only: each trainable tensor's whole gradient norm before clipping, by name (a collective

@@ -101,7 +101,7 @@ def test_finetune_output_on_the_student_or_teacher_is_refused_even_forced(tmp_pa
 def test_finetune_says_which_teacher_it_loaded(tmp_path, capsys):
     from test_finetune_fixtures import build_tokenizer, save_llama, write_corpus
 
-    from attnkit.training.finetune import load_teacher
+    from attnkit.training.teacher import load_teacher
 
     teacher = save_llama(tmp_path / "teacher", build_tokenizer(write_corpus(tmp_path / "c.jsonl")))
     assert load_teacher(teacher, {}, "cpu") is not None

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from attnkit.training import frozen
-from attnkit.training.finetune import load_causal_lm, load_teacher
+from attnkit.training.models import load_causal_lm
+from attnkit.training.teacher import load_teacher
 
 
 def _llama(heads: int, kv_heads: int, head_dim: int, bias: bool, tie: bool):

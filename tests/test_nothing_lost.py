@@ -215,7 +215,7 @@ def test_convert_and_eval_reports_carry_no_absolute_paths(tmp_path, src, calib):
     from types import SimpleNamespace
 
     from attnkit.io.public import LOCAL_FILE
-    from attnkit.training.finetune import teacher_spec
+    from attnkit.training.teacher import teacher_spec
 
     out = tmp_path / "out"
     assert main(["convert", "--to", "mla", str(src.resolve()), "-o", str(out.resolve()), "--calib", str(calib.resolve()),

@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, sys.argv[2])
 from test_real_configs import NAMES, build
 from attnkit.training import sharded_load
-from attnkit.training.finetune import load_causal_lm, load_fsdp_teacher
+from attnkit.training.models import load_causal_lm
+from attnkit.training.teacher import load_fsdp_teacher
 
 root = Path(sys.argv[1])
 dist.init_process_group("gloo", init_method=f"file://{root / 'pg'}", rank=0, world_size=1)

@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,15 +33,15 @@ from attnkit import __version__
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.evaluation.ppl import VALIDATION, validation_text
-from attnkit.io.checkpoint import check_output_dir, weights_fingerprint
-from attnkit.io.public import local_folder
-from attnkit.io.resolve import BUNDLED, check_causal_lm, resolve_model
-from attnkit.training import batches, chunked_head, frozen, measure, sharded_load, state, teacher_cache, trainable
+from attnkit.io.checkpoint import check_output_dir
+from attnkit.io.resolve import check_causal_lm
+from attnkit.training import batches, chunked_head, frozen, measure, models, sharded_load, state, teacher_cache, trainable
 from attnkit.training.export import final_model, gathered_tensors, input_dtype, save_healed
 from attnkit.training.losses import heal_loss
 from attnkit.training.recipe import Recipe, load_finetune_recipe
-from attnkit.sdpa import fused_kwargs
 from attnkit.training.schedules import broadcast_step, build_scheduler
+from attnkit.training.teacher import (check_same_depth, check_teacher, load_fsdp_teacher, load_teacher, same_weights,
+                                     teacher_spec)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -121,25 +120,6 @@ def _fsdp_on_cpu(accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise AttnkitError(f"cannot load the tokenizer of {path}: {str(exc).splitlines()[0]}") from None
-
-
-def load_causal_lm(path: Path, trust_remote_code: bool, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                    **fused_kwargs(path))  # MLA: SDPA's fused kernels (V padded)
-    except Exception as exc:
-        raise AttnkitError(f"cannot load {path} as a causal LM: {str(exc).splitlines()[0]}") from None
-
-
 def finished_line(out, report: dict) -> str:
     """The last line of a run: where the healed model is and what healing did to the validation perplexity."""
     def ppl(result: dict | None) -> str:
@@ -149,146 +129,6 @@ def finished_line(out, report: dict) -> str:
     text = report.get("validation_text") or {}
     return (f"attnkit finetune: wrote {out} ({VALIDATION} {ppl(report.get('eval_before'))} -> "
             f"{ppl(report.get('eval_after'))}, {validation_text(text.get('rows'), text.get('seq_len'))})")
-
-
-def _making_command(spec: str, config_path: str | None) -> str | None:
-    """The `attnkit convert ... -o SPEC` command a recipe's comment gives for its (local) model, if any."""
-    if not config_path:
-        return None
-    try:
-        lines = Path(config_path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
-        return None
-    for line in lines:
-        text = line.strip().lstrip("#").strip()
-        words = text.split()
-        if text.startswith("attnkit convert") and any(a in ("-o", "--out") and b.rstrip("/") == spec.rstrip("/")
-                                                       for a, b in zip(words, words[1:])):
-            return text
-    return None
-
-
-def resolve_student(spec: str, config_path: str | None = None) -> Path:
-    """`resolve_model` for the recipe's `model`, where a local folder that is not there yet is said as such:
-    `out/ref-mla30` is also a well-formed Hub id, and the Hub's "not in the cache / not found" would
-    mislead. The command that makes it is named when the recipe's comment gives one."""
-    if not Path(spec).expanduser().exists():
-        command = _making_command(spec, config_path)
-        if command:
-            raise AttnkitError(f"model {spec}: the local folder does not exist; convert it first: {command}")
-    try:
-        return resolve_model(spec)
-    except AttnkitError as exc:
-        first = Path(spec).parts[0] if Path(spec).parts else ""
-        if "/" in spec and not Path(spec).exists() and first and Path(first).is_dir():
-            raise AttnkitError(f"model {spec}: the local folder does not exist (nor a Hub model of that name: "
-                               f"{exc}); convert it first with `attnkit convert ... -o {spec}`") from None
-        raise
-
-
-def teacher_spec(recipe: Recipe, student_path: Path) -> str | None:
-    """`teacher: source` means the model the student was converted from (its attnkit_report.json)."""
-    if recipe.teacher != "source":
-        return recipe.teacher
-    report = student_path / "attnkit_report.json"
-    try:
-        source = json.loads(report.read_text())["source"]
-        path = source.get("path")  # where the source was read from: relative to the student's folder (or absolute, older reports)
-        local = local_folder(student_path, "attnkit_report.json", "source.path")  # outside the cwd: by name in the report
-        if local is not None:
-            return str(local)
-        if path and not Path(path).is_absolute() and (student_path / path).is_dir() and path not in BUNDLED:
-            return str((student_path / path).resolve())
-        if path and Path(path).is_absolute() and Path(path).is_dir():
-            return path
-        return source["model"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise AttnkitError(f"teacher: source needs {report} with a source model; name the teacher instead") from None
-
-
-def same_tokenizer(a, b) -> bool:
-    return a.get_vocab() == b.get_vocab() and (a.eos_token_id, a.bos_token_id) == (b.eos_token_id, b.bos_token_id)
-
-
-def check_teacher(spec: str | None, tokenizer, student_vocab: int) -> tuple[Path | None, dict]:
-    """Resolve the teacher and refuse a different tokenizer or logits width (before loading weights)."""
-    if spec is None:
-        return None, {}
-    path = resolve_model(spec)
-    config = check_causal_lm(path)
-    if not same_tokenizer(tokenizer, load_tokenizer(path, "auto_map" in config)):
-        raise AttnkitError(f"teacher {spec} has a different tokenizer than the student; distillation needs the same one")
-    if config.get("vocab_size") != student_vocab:
-        raise AttnkitError(f"teacher {spec} has vocab_size {config.get('vocab_size')}, the student {student_vocab}")
-    return path, config
-
-
-def same_weights(a: Path, b: Path) -> bool:
-    """The same folder, or folders whose weights have the same index / safetensors header."""
-    fingerprint = weights_fingerprint(a)
-    return a.resolve() == b.resolve() or (fingerprint is not None and fingerprint == weights_fingerprint(b))
-
-
-def check_same_depth(spec: str, teacher_config: dict, student_config: dict) -> None:
-    """loss.hidden_weight matches layer l to layer l: the two models need the same depth and width."""
-    for key in ("num_hidden_layers", "hidden_size"):
-        if teacher_config.get(key) != student_config.get(key):
-            raise AttnkitError(
-                f"loss.hidden_weight needs a teacher as deep and wide as the student: teacher {spec} has "
-                f"{key} {teacher_config.get(key)}, the student {student_config.get(key)} (set loss.hidden_weight=0)"
-            )
-
-
-def load_teacher(path: Path | None, config: dict, device, hold: bool = True):
-    """The frozen source model in eval mode (no grads; run under torch.no_grad by the trainer), held in its
-    checkpoint's 16-bit dtype and computed in fp32 (`frozen`): the fp32 teacher's outputs, half the bytes.
-    `hold=False` (`train.frozen_dtype: fp32`): read in fp32, no upcast per call."""
-    if path is None:
-        return None
-    teacher, dtype = _read_teacher(path, config, device, hold)
-    frozen.compute_in_fp32(teacher)
-    print(f"attnkit finetune: teacher loaded from {path}{_held_in(dtype)}", file=sys.stderr)
-    return teacher
-
-
-def _read_teacher(path: Path, config: dict, device, hold: bool) -> tuple[Any, torch.dtype]:
-    dtype, trust = _held_dtype(path, hold), "auto_map" in config
-    teacher = load_causal_lm(path, trust_remote_code=trust, dtype=dtype)
-    frozen.fp32_buffers(teacher, path, trust)
-    return teacher.to(device).eval().requires_grad_(False), dtype
-
-
-def _held_dtype(path: Path, hold: bool) -> torch.dtype:
-    """The dtype frozen weights of the checkpoint at `path` are held in: its 16-bit one when `hold`, else fp32."""
-    return frozen.storage_dtype(path) if hold else torch.float32
-
-
-def _held_in(dtype: torch.dtype) -> str:
-    return "" if dtype == torch.float32 else f" (held in {str(dtype).removeprefix('torch.')}, computed in fp32)"
-
-
-def load_fsdp_teacher(path: Path, config: dict, accelerator, hold: bool = True) -> tuple[Any, int]:
-    """The frozen teacher under FSDP: its decoder layers sharded over the processes like the student's
-    (`sharded_load.shard_teacher_layers`), each process reading only what it keeps from the checkpoint
-    (`sharded_load.load_sharded`); a checkpoint whose names are not the model's is loaded whole on the
-    CPU first. Held in its checkpoint's dtype like `load_teacher`'s: FSDP gathers the shards in the dtype
-    the run computes in, the parts left whole are upcast module by module. Returns (teacher, layers sharded)."""
-    shard = lambda model: sharded_load.shard_teacher_layers(model, accelerator)  # noqa: E731
-    dtype = _held_dtype(path, hold)
-    loaded = sharded_load.load_sharded(path, "auto_map" in config, accelerator.device, shard, dtype)
-    if loaded is None:
-        teacher, _ = _read_teacher(path, config, "cpu", hold)
-        layers = shard(teacher)
-        sharded_load.whole_to_device(teacher, accelerator.device)
-        where = "read whole, then sharded"
-    else:
-        teacher, layers = loaded
-        teacher.eval().requires_grad_(False)
-        frozen.fp32_buffers(teacher, path, "auto_map" in config)
-        where = "this process's shards only"
-    frozen.compute_in_fp32(teacher)  # after sharding: only what FSDP leaves whole
-    print(f"attnkit finetune: teacher loaded from {path}, {where}{_held_in(dtype)}", file=sys.stderr)
-    return teacher, layers
 
 
 # ------------------------------------------------------------------ the run
@@ -374,7 +214,7 @@ def _check_inputs(accelerator, recipe: Recipe, config_path: str | None) -> Input
     """Resolve the student and the teacher and refuse what cannot work (a missing model, OUTPUT_DIR over an
     input, a foreign RUN_DIR, a teacher with another tokenizer or the student's own weights) before the data
     is read and before anything is written."""
-    student_path = resolve_student(recipe.model, config_path)
+    student_path = models.resolve_student(recipe.model, config_path)
     config = check_causal_lm(student_path)
     trust = "auto_map" in config
     out = check_output_dir(recipe.output_dir, recipe.force, (student_path,))
@@ -382,7 +222,7 @@ def _check_inputs(accelerator, recipe: Recipe, config_path: str | None) -> Input
     if run_dir.resolve() == out.resolve():
         raise AttnkitError("recipe key run_dir: must differ from output_dir")
     latest = state.open_run_dir(run_dir, recipe.fingerprint(), accelerator.num_processes, accelerator.is_main_process)
-    tokenizer = load_tokenizer(student_path, trust)
+    tokenizer = models.load_tokenizer(student_path, trust)
     teacher_name = teacher_spec(recipe, student_path) if recipe.teacher else None  # also the retention reference
     teacher_path, teacher_config = check_teacher(teacher_name, tokenizer, config.get("vocab_size"))
     if teacher_path is not None:
@@ -541,9 +381,9 @@ def _load_student(accelerator, inputs: Inputs) -> tuple[Any, dict[str, list[int]
     if empty is not None:
         return *empty, True
     if plugin is None or not plugin.cpu_ram_efficient_loading:
-        return load_causal_lm(inputs.student_path, inputs.trust), None, False
+        return models.load_causal_lm(inputs.student_path, inputs.trust), None, False
     if accelerator.is_main_process:
-        model = load_causal_lm(inputs.student_path, inputs.trust)
+        model = models.load_causal_lm(inputs.student_path, inputs.trust)
         found = [trainable.constant_channel_map(model)]
     else:
         model, found = sharded_load.empty_causal_lm(inputs.student_path, inputs.trust), [None]
