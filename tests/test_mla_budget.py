@@ -6,7 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 from attnkit.cli import main
 from attnkit.converters.mla.layer import Shape
-from attnkit.converters.mla.budget import allocate_ranks, budget_values, max_rank, refine_candidates, split_candidates
+from attnkit.converters.mla.budget import (KL_TIE, allocate_ranks, budget_values, max_rank, preferred, refine_candidates,
+                                          split_candidates)
 
 
 @settings(max_examples=30, deadline=None)
@@ -74,8 +75,9 @@ def test_budget_conversion_chooses_a_split_within_the_budget(tmp_path, capsys, t
     assert b["values_per_token_layer"] == 32 and len(b["candidates"]) >= 3
     assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (b["chosen"]["kv_lora_rank"], b["chosen"]["rope_dim"])
     assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] <= 32 and report["kv_cache_fraction"] <= 0.5
-    best = min(b["candidates"], key=lambda c: c["kl"])
+    best = preferred(b["candidates"])[0]
     assert (best["kv_lora_rank"], best["rope_dim"]) == (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"])
+    assert b["kl_tie"] == KL_TIE and best["kl"] <= (1 + KL_TIE) * min(c["kl"] for c in b["candidates"])
     assert "<- chosen" in printed and "--kv-budget 0.5: chose" in printed
     assert not list(tmp_path.glob("attnkit-scratch-*"))  # the candidates' scratch folder is gone
     # the chosen split converts to the same weights when named explicitly (the RoPE pre-pass is reused, not redone differently)
@@ -123,7 +125,7 @@ def test_engine_sizes_choose_among_what_vllm_takes(tmp_path, sizes, budget, chos
     report = json.loads((out / "attnkit_report.json").read_text())
     tried = {(c["kv_lora_rank"], c["rope_dim"]) for c in report["kv_budget"]["candidates"]}
     assert tried == ({(512, 64), (448, 64), (256, 64)} if sizes == "vllm" else {(512, 64)})
-    best = min(report["kv_budget"]["candidates"], key=lambda c: c["kl"])
+    best = preferred(report["kv_budget"]["candidates"])[0]
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (best["kv_lora_rank"], best["rope_dim"])
     assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] in (320, 512, 576)
@@ -140,12 +142,27 @@ def test_choose_by_heal_needs_a_budget_and_a_recipe(tmp_path, capsys):
         assert "\n" not in err and not (tmp_path / "out").exists()
 
 
-def test_finalists_are_the_least_kl_rows():
+def test_finalists_are_the_preferred_rows():
     from attnkit.converters.mla.heal_choice import finalists
 
-    rows = [{"rope_dim": d, "kl": kl} for d, kl in ((2, 1.3), (40, 0.1532), (52, 0.1505), (64, 0.1505), (26, 0.35))]
-    assert [r["rope_dim"] for r in finalists(rows, 3)] == [52, 64, 40]
-    assert finalists(rows, 9) == sorted(rows, key=lambda r: r["kl"])
+    rows = [{"rope_dim": d, "kl": kl} for d, kl in ((2, 1.3), (40, 0.1532), (52, 0.15049), (64, 0.15061), (26, 0.35))]
+    assert [r["rope_dim"] for r in finalists(rows, 3)] == [64, 52, 40]  # 52 and 64 tied: the wider first
+    assert [r["rope_dim"] for r in finalists(rows, 9)] == [64, 52, 40, 26, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(kls=st.lists(st.floats(1e-4, 10.0), min_size=1, max_size=9), tie=st.sampled_from([0.0, 0.01, 0.1]))
+def test_preferred_takes_the_widest_of_the_ties_then_orders_by_kl(kls, tie):
+    rows = [{"rope_dim": 2 * (i + 1), "kl": kl} for i, kl in enumerate(kls)]
+    order = preferred(rows, tie)
+    least = min(kls)
+    tied = [r for r in rows if r["kl"] <= least * (1 + tie)]
+    assert sorted(map(id, order)) == sorted(map(id, rows))
+    assert order[: len(tied)] == sorted(tied, key=lambda r: -r["rope_dim"])  # every tie first, widest first
+    rest = [r["kl"] for r in order[len(tied):]]
+    assert rest == sorted(rest) and all(k > least * (1 + tie) for k in rest)
+    if tie == 0.0:
+        assert order[0]["kl"] == least  # no tolerance: the least KL, as before
 
 
 @pytest.mark.slow

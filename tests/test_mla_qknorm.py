@@ -241,7 +241,9 @@ def test_kv_budget_chooses_an_attnkit_split_on_the_lifted_view(tmp_path, calib, 
     assert chosen["kv_lora_rank"] + chosen["rope_dim"] <= total and len(report["kv_budget"]["candidates"]) >= 3
     assert "auto_map" in cfg  # the attnkit format
     assert (cfg["attnkit"]["kv_lora_rank"], 2 * len(cfg["attnkit"]["rope_pairs"])) == (chosen["kv_lora_rank"], chosen["rope_dim"])
-    best = min(report["kv_budget"]["candidates"], key=lambda c: c["kl"])
+    from attnkit.converters.mla.budget import preferred
+
+    best = preferred(report["kv_budget"]["candidates"])[0]
     assert (best["kv_lora_rank"], best["rope_dim"]) == (chosen["kv_lora_rank"], chosen["rope_dim"])
     assert _convert(src, explicit, calib, "--kv-lora-rank", str(chosen["kv_lora_rank"]), "--rope-dim",
                     str(chosen["rope_dim"])) == 0

@@ -11,6 +11,10 @@ import torch
 
 from attnkit.converters.mla.layer import Shape
 
+# Splits whose one-shot KL is within this fraction of the least are tied (`preferred`). On reference-mha at
+# 30 % of the cache, rope_dim 46 to 64 all measure KL 0.150-0.151 (docs/mla.md, `--choose-by heal`).
+KL_TIE = 0.01
+
 
 def max_rank(shape: Shape, rope_dim: int) -> int:
     """2 G d - d_r data channels (K-NoPE and V) + 1 channel for the latent norm (the transformers
@@ -48,6 +52,18 @@ def refine_candidates(shape: Shape, total: int, tried: list[int], best: int, rop
             if mid not in tried and 2 <= mid <= min(rope_cap, total - 2) and mid not in [c[1] for c in out]:
                 out.append((min(total - mid, max_rank(shape, mid) - (not norm_channel)), mid))
     return out
+
+
+def preferred(rows: list[dict], tie: float = KL_TIE) -> list[dict]:
+    """--kv-budget's table rows (`kl`, `rope_dim`), best first: the splits tied with the least KL (within `tie`
+    of it, relative) widest RoPE key first, then the rest by KL. Why the width breaks a tie: healing can
+    re-learn what a latent channel held but cannot give a NoPE component back its rotation, and at a tie the
+    latent channels given up for rotated slots were worth nothing measurable. On reference-mha the three
+    tied finalists heal in order of their RoPE width, 64 and 58 to x1.068 / x1.067 of the source, 52 to
+    x1.078 (docs/finetune.md, "Which split heals best"); the other two models have no ties."""
+    least = min(r["kl"] for r in rows)
+    tied = lambda r: r["kl"] <= least * (1 + tie)  # noqa: E731
+    return sorted(rows, key=lambda r: (0, -r["rope_dim"], r["kl"]) if tied(r) else (1, r["kl"], -r["rope_dim"]))
 
 
 def allocate_ranks(spectra: list[torch.Tensor], total_rank: int, lo: int, hi: int, relative: bool = True) -> list[int]:

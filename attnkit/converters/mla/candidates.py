@@ -18,7 +18,8 @@ import torch
 
 from attnkit.converters.common import calibration_tokens
 from attnkit.converters.mla import layer as mla
-from attnkit.converters.mla.budget import budget_values, max_rank, refine_candidates, split_candidates
+from attnkit.converters.mla.budget import (KL_TIE, budget_values, max_rank, preferred, refine_candidates,
+                                          split_candidates)
 from attnkit.converters.mla.metrics import ErrorStat, relative_errors
 from attnkit.converters.mla.engines import VLLM_CPU_MLA_SIZE, VLLM_MLA_SIZES, VLLM_ROPE_DIM, ladder_stride, vllm_splits
 from attnkit.converters.mla.native import target_for
@@ -226,7 +227,7 @@ def choose_split(src, s, calib: torch.Tensor, spare: torch.Tensor,
                  scratch: Path | None = None) -> tuple[dict, list[torch.Tensor]]:
     """--kv-budget: the uniform (kv_lora_rank, rope_dim) split with the lowest KL(source || converted)
     on selection rows (`selection_rows`), among an even grid of rope_dim and a refinement around the
-    best. Sets s.kv_lora_rank / s.rope_dim; returns the report's `kv_budget` section and the RoPE
+    best; of splits within `KL_TIE` of that KL, the widest RoPE key (`budget.preferred`). Sets s.kv_lora_rank / s.rope_dim; returns the report's `kv_budget` section and the RoPE
     scores (the conversion reuses them). Scratch files go in a temporary folder inside `scratch`."""
     shape, layers = src.shape, src.config["num_hidden_layers"]
     total = budget_values(shape, s.kv_budget)
@@ -255,18 +256,20 @@ def choose_split(src, s, calib: torch.Tensor, spare: torch.Tensor,
                                                              best["rope_dim"], cap, norm_channel=s.norm_channel)
         if not splits:
             break
-    best = min(table.values(), key=lambda m: m["kl"])
-    s.kv_lora_rank, s.rope_dim = best["ranks"][0], best["rope_dim"]
     rows_out = sorted(({"kv_lora_rank": m["ranks"][0], "rope_dim": m["rope_dim"], "kl": m["kl"], "ppl": m["ppl"],
                         "attn_rel_err_mean": m["attn_rel_err_mean"]} for m in table.values()), key=lambda m: m["rope_dim"])
+    best = preferred(rows_out)[0]  # the least KL, or of the splits tied with it the widest RoPE key
+    s.kv_lora_rank, s.rope_dim = best["kv_lora_rank"], best["rope_dim"]
     print(format_table(rows_out, s.kv_lora_rank, s.rope_dim, total, 2 * shape.G * shape.d))
     section = {"fraction": s.kv_budget, "values_per_token_layer": total, "measured_on": rows_note,
-               "chosen": {"kv_lora_rank": s.kv_lora_rank, "rope_dim": s.rope_dim}, "candidates": rows_out}
+               "chosen": {"kv_lora_rank": s.kv_lora_rank, "rope_dim": s.rope_dim}, "kl_tie": KL_TIE,
+               "candidates": rows_out}
     return section, scores
 
 
 def format_table(rows: list[dict], rank: int, rope_dim: int, total: int, full: int) -> str:
-    lines = [f"--kv-budget: {total} of {full} cached values per token and layer; candidates (KL on selection rows):",
+    lines = [f"--kv-budget: {total} of {full} cached values per token and layer; candidates (KL on selection rows; "
+             f"within {KL_TIE:.0%} of the least, the widest RoPE key is chosen):",
              f"{'kv_lora_rank':>13}{'rope_dim':>10}{'KL':>11}{'ppl':>10}{'attn err':>11}"]
     for r in rows:
         mark = "  <- chosen" if (r["kv_lora_rank"], r["rope_dim"]) == (rank, rope_dim) else ""

@@ -1,10 +1,12 @@
 """`--kv-budget F --choose-by heal`: of the splits with the least one-shot KL, the one that heals best.
 
 One-shot KL tells splits far apart correctly but not near-ties. On reference-mha at 30 % of the cache,
-255/52, 249/58 and 243/64 all measure KL 0.1505 and the pick (255/52) heals to x1.078 of the source where
-243/64 heals to x1.068 (docs/finetune.md, "Which split heals best"). A short heal of each finalist (12 steps
-of the recipe, about a quarter of its tokens) ranked four splits as the full heals did. This module runs it:
-convert the finalists, heal each briefly in its own process, keep the conversion whose heal ended lowest.
+255/52, 249/58 and 243/64 all measure KL 0.1505; the least of them (255/52) heals to x1.078 of the source
+where 243/64 heals to x1.068 (docs/finetune.md, "Which split heals best"). `--kv-budget` alone now breaks
+such ties by RoPE width (`budget.preferred`); a short heal of each finalist (12 steps of the recipe, about a
+quarter of its tokens), which ranked four splits as the full heals did, measures instead of assuming. This
+module runs it: convert the finalists, heal each briefly in its own process, keep the conversion whose heal
+ended lowest.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from attnkit.converters.mla.budget import preferred
 from attnkit.errors import AttnkitError
 
 REPORT = "attnkit_report.json"
 
 
 def finalists(candidates: list[dict], k: int) -> list[dict]:
-    """The k rows of the --kv-budget table with the least KL, best first (ties: the table's order)."""
-    return sorted(candidates, key=lambda c: c["kl"])[:k]
+    """The k rows of the --kv-budget table it ranks first (`budget.preferred`: the least KL, ties by RoPE width)."""
+    return preferred(candidates)[:k]
 
 
 def short_heal_command(recipe: str, model: Path, teacher: str, work: Path, steps: int) -> list[str]:
