@@ -12,7 +12,8 @@ import torch
 from attnkit.converters.mla.layer import Shape
 
 # Splits whose one-shot KL is within this fraction of the least are tied (`preferred`). On reference-mha at
-# 30 % of the cache, rope_dim 46 to 64 all measure KL 0.150-0.151 (docs/mla.md, `--choose-by heal`).
+# 30 % of the cache rope_dim 46 to 64 measure KL 0.1505-0.1509, within 0.3 %; on reference and reference-c the
+# split after the least is 4 % and 16 % above it (docs/mla.md, `--choose-by heal`).
 KL_TIE = 0.01
 
 
@@ -58,9 +59,9 @@ def preferred(rows: list[dict], tie: float = KL_TIE) -> list[dict]:
     """--kv-budget's table rows (`kl`, `rope_dim`), best first: the splits tied with the least KL (within `tie`
     of it, relative) widest RoPE key first, then the rest by KL. Why the width breaks a tie: healing can
     re-learn what a latent channel held but cannot give a NoPE component back its rotation, and at a tie the
-    latent channels given up for rotated slots were worth nothing measurable. On reference-mha the three
-    tied finalists heal in order of their RoPE width, 64 and 58 to x1.068 / x1.067 of the source, 52 to
-    x1.078 (docs/finetune.md, "Which split heals best"); the other two models have no ties."""
+    latent channels given up for rotated slots were worth nothing measurable. On reference-mha the two
+    wider tied finalists, 64 and 58, heal to x1.068 / x1.067 of the source, the narrowest, 52, to x1.078
+    (docs/finetune.md, "Which split heals best"); the other two models have no ties."""
     least = min(r["kl"] for r in rows)
     tied = lambda r: r["kl"] <= least * (1 + tie)  # noqa: E731
     return sorted(rows, key=lambda r: (0, -r["rope_dim"], r["kl"]) if tied(r) else (1, r["kl"], -r["rope_dim"]))

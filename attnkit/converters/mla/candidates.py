@@ -227,8 +227,9 @@ def choose_split(src, s, calib: torch.Tensor, spare: torch.Tensor,
                  scratch: Path | None = None) -> tuple[dict, list[torch.Tensor]]:
     """--kv-budget: the uniform (kv_lora_rank, rope_dim) split with the lowest KL(source || converted)
     on selection rows (`selection_rows`), among an even grid of rope_dim and a refinement around the
-    best; of splits within `KL_TIE` of that KL, the widest RoPE key (`budget.preferred`). Sets s.kv_lora_rank / s.rope_dim; returns the report's `kv_budget` section and the RoPE
-    scores (the conversion reuses them). Scratch files go in a temporary folder inside `scratch`."""
+    best; of the splits within `KL_TIE` of that KL, the widest RoPE key (`budget.preferred`). Sets
+    s.kv_lora_rank / s.rope_dim; returns the report's `kv_budget` section and the RoPE scores (the
+    conversion reuses them). Scratch files go in a temporary folder inside `scratch`."""
     shape, layers = src.shape, src.config["num_hidden_layers"]
     total = budget_values(shape, s.kv_budget)
     cap = rope_cap(shape, s.rope_frequencies)
