@@ -143,8 +143,12 @@ def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     assert sum(p["student_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["student_weights"] + whole
     assert sum(p["adam_state"] for p in fsdp["probes"]) == ddp["probes"][0]["adam_state"]
     assert any(n.startswith(f"{len(tables)} frozen embedding table(s) held whole in 16 bits") for n in fsdp["notes"])
-    # the teacher sharded too, its untied embeddings and LM head included: only the final norm (32 bf16) is whole
-    assert sum(p["teacher_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["teacher_weights"] + 32 * 2
+    # the teacher's decoder layers sharded too; its untied 16-bit embeddings and LM head whole on each process,
+    # like the student's table (sharded_load.shard_teacher_layers), and its final norm (32 bf16)
+    teacher = weights(pair["teacher"])
+    assert "lm_head.weight" in teacher  # untied: two tables
+    whole = sum(teacher[k].numel() * 2 for k in ("model.embed_tokens.weight", "lm_head.weight")) + 32 * 2
+    assert sum(p["teacher_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["teacher_weights"] + whole
     assert ddp["probes"][0]["teacher_weights"] == sum(t.numel() * 2 for t in weights(pair["teacher"]).values())  # bf16
     assert any("teacher: 2 decoder layers sharded" in n for n in fsdp["notes"])
     # no process reads a model whole: each builds both empty and reads only its own shards from the checkpoints

@@ -5,8 +5,8 @@ keeps each process's shard: with N processes on one host that is N whole copies 
 teacher at once, before training starts (a 70B pair on 8 GPUs: 16 × 280 GB of host memory). Here:
 
 * the **teacher** is built with its parameters on the meta device, its decoder layers (and untied embeddings
-  and LM head) are sharded (`shard_teacher_layers`), memory is allocated for this process's shards and its
-  whole parts only, and each is filled from the checkpoint one tensor at a time (`load_sharded`);
+  and LM head, unless held whole in 16 bits in an fp32 run) are sharded (`shard_teacher_layers`), memory is
+  allocated for this process's shards and its whole parts only, and each is filled from the checkpoint one tensor at a time (`load_sharded`);
 * the **student** is built the same way on every process (`empty_student`), accelerate's FSDP2 preparation
   shards it on the meta device with its own loading turned off (`shards_only`), and each process then fills
   its shards from the checkpoint one tensor at a time (`fill_prepared`). No process reads it whole: with
@@ -123,10 +123,7 @@ def kept_whole(model: torch.nn.Module, accelerator) -> list[torch.nn.Module]:
     fp32 (`--mixed_precision no`, as CPU processes run): a bf16 run gathers them in bf16, half the bytes, and
     its mix of bf16 FSDP units and fp32-computed modules has not been run here. Not under parameter offload
     (the shards live on the CPU there, and so would these)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    if getattr(accelerator, "mixed_precision", "no") != "no" or \
-            isinstance(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy):
+    if not _whole_tables_pay(accelerator):
         return []
     found = []
     for get in ("get_input_embeddings", "get_output_embeddings"):
@@ -136,6 +133,15 @@ def kept_whole(model: torch.nn.Module, accelerator) -> list[torch.nn.Module]:
                 and module not in found:
             found.append(module)
     return found
+
+
+def _whole_tables_pay(accelerator) -> bool:
+    """Whether a frozen 16-bit vocabulary table costs less held whole than sharded: where the run computes in
+    fp32 (FSDP would gather it in fp32) and FSDP does not offload parameters (see `kept_whole`)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return getattr(accelerator, "mixed_precision", "no") == "no" and \
+        not isinstance(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
 
 
 def computing_policy(policy):
@@ -211,8 +217,10 @@ def _read(ckpt: LazyCheckpoint, name: str, like: torch.Tensor, device: torch.dev
 def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
     """FSDP: the frozen teacher sharded over the processes like the student (fully_shard per decoder layer,
     each its own unit: gathered for its forward, freed after), and its input embeddings and LM head each a
-    unit of their own when they are two tensors (a 70B model's are 8.4 GB in fp32). Tied ones, the final norm
-    and the rotary tables stay whole on every process. Units below the top level let the trainer call the
+    unit of their own when they are two tensors (a 70B model's are 8.4 GB in fp32), unless they are held in
+    16 bits in a run that computes in fp32: FSDP would gather each in fp32 (the embeddings for a lookup of a
+    few rows), so they stay whole in 16 bits like the student's (`kept_whole`) and are computed in fp32
+    (`frozen.compute_in_fp32`). Tied ones, the final norm and the rotary tables stay whole on every process. Units below the top level let the trainer call the
     base model alone (no LM head) when only hidden states are matched. fully_shard moves each process's shard
     to the device of the default mesh (the GPU of this process; the CPU under gloo), so no device ever holds
     it whole; on the meta device the shards stay there. Returns the number of decoder layers sharded
@@ -222,7 +230,10 @@ def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
     names = set(getattr(teacher, "_no_split_modules", None) or [])
     layers = [m for m in teacher.modules() if type(m).__name__ in names]
     policy = computing_policy(accelerator.state.fsdp_plugin.mixed_precision_policy)
-    for unit in layers + (_untied_embeddings(teacher) if layers else []):
+    tables = _untied_embeddings(teacher) if layers else []
+    if _whole_tables_pay(accelerator) and all(p.dtype in LOW_PRECISION for t in tables for p in t.parameters()):
+        tables = []  # held whole in 16 bits, computed in fp32
+    for unit in layers + tables:
         fully_shard(unit, reshard_after_forward=True, mp_policy=policy)
     return len(layers)
 
