@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/attnkit-mem")
     ap.add_argument("--shape", choices=["1b", "8b"], default="1b", help="the random source's shape (default 1b)")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's, 16 or 32)")
+    ap.add_argument("--untied", action="store_true", help="an LM head of its own (the 1B shape ties it to the "
+                    "embeddings; 8B and larger do not)")
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--eval-tokens", type=int, default=1024)
     ap.add_argument("--extra", default="", help="extra convert arguments, space-separated")
@@ -133,7 +135,9 @@ def main() -> None:
     src, out = (Path(args.source) if args.source else work / "src"), work / "out"
     work.mkdir(parents=True, exist_ok=True)
     if not (src / "config.json").is_file():
-        build_source(src, shape_config(args.shape, args.layers))
+        cfg = shape_config(args.shape, args.layers)
+        cfg.tie_word_embeddings = cfg.tie_word_embeddings and not args.untied
+        build_source(src, cfg)
     size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     label = args.label or (src.name if args.source else f"llama-{args.shape}-shape")
     shutil.rmtree(out, ignore_errors=True)
