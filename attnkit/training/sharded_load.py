@@ -6,7 +6,8 @@ teacher at once, before training starts (a 70B pair on 8 GPUs: 16 × 280 GB of h
 
 * the **teacher** is built with its parameters on the meta device, its decoder layers (and untied embeddings
   and LM head, unless held whole in 16 bits in an fp32 run) are sharded (`shard_teacher_layers`), memory is
-  allocated for this process's shards and its whole parts only, and each is filled from the checkpoint one tensor at a time (`load_sharded`);
+  allocated for this process's shards and its whole parts only, and each is filled from the checkpoint one
+  tensor at a time (`load_sharded`);
 * the **student** is built the same way on every process (`empty_student`), accelerate's FSDP2 preparation
   shards it on the meta device with its own loading turned off (`shards_only`), and each process then fills
   its shards from the checkpoint one tensor at a time (`fill_prepared`). No process reads it whole: with
@@ -128,11 +129,16 @@ def kept_whole(model: torch.nn.Module, accelerator) -> list[torch.nn.Module]:
     found = []
     for get in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, get, lambda: None)()
-        params = [] if module is None else list(module.parameters())
-        if params and all(not p.requires_grad and p.dtype in LOW_PRECISION for p in params) \
+        if module is not None and _in_16_bits(module) and not any(p.requires_grad for p in module.parameters()) \
                 and module not in found:
             found.append(module)
     return found
+
+
+def _in_16_bits(module: torch.nn.Module) -> bool:
+    """The module owns parameters, every one held in 16 bits (`frozen.LOW_PRECISION`)."""
+    params = list(module.parameters())
+    return bool(params) and all(p.dtype in LOW_PRECISION for p in params)
 
 
 def _whole_tables_pay(accelerator) -> bool:
@@ -220,8 +226,9 @@ def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
     unit of their own when they are two tensors (a 70B model's are 8.4 GB in fp32), unless they are held in
     16 bits in a run that computes in fp32: FSDP would gather each in fp32 (the embeddings for a lookup of a
     few rows), so they stay whole in 16 bits like the student's (`kept_whole`) and are computed in fp32
-    (`frozen.compute_in_fp32`). Tied ones, the final norm and the rotary tables stay whole on every process. Units below the top level let the trainer call the
-    base model alone (no LM head) when only hidden states are matched. fully_shard moves each process's shard
+    (`frozen.compute_in_fp32`). Tied ones, the final norm and the rotary tables stay whole on every process.
+    Units below the top level let the trainer call the base model alone (no LM head) when only hidden states
+    are matched. fully_shard moves each process's shard
     to the device of the default mesh (the GPU of this process; the CPU under gloo), so no device ever holds
     it whole; on the meta device the shards stay there. Returns the number of decoder layers sharded
     (0: no decoder-layer class known, the teacher stays replicated)."""
@@ -231,8 +238,8 @@ def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
     layers = [m for m in teacher.modules() if type(m).__name__ in names]
     policy = computing_policy(accelerator.state.fsdp_plugin.mixed_precision_policy)
     tables = _untied_embeddings(teacher) if layers else []
-    if _whole_tables_pay(accelerator) and all(p.dtype in LOW_PRECISION for t in tables for p in t.parameters()):
-        tables = []  # held whole in 16 bits, computed in fp32
+    if _whole_tables_pay(accelerator) and all(_in_16_bits(t) for t in tables):
+        tables = []  # held whole in 16 bits, computed in fp32 (the teacher is frozen: no requires_grad to check)
     for unit in layers + tables:
         fully_shard(unit, reshard_after_forward=True, mp_policy=policy)
     return len(layers)
