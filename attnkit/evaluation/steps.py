@@ -9,6 +9,7 @@ ALONE = {
     "lossy fold": "lossy fold: QK norms as constant scales",
     "rounding": "rounding: to the output dtype only",
     "engine form": "engine form: latent norm without a bias, lossy (healing recovers it)",
+    "fitted": "fitted: every weight trained to the source layer's output (--fit-steps), lowers the loss",
 }
 
 

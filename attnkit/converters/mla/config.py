@@ -57,5 +57,10 @@ class MLAConfig:
     heal_candidates: int = option(3, "with --choose-by heal: how many least-KL splits are healed", metavar="K")
     refit_query: bool = option(True, "least-squares refit of the NoPE query to the source's RoPE'd scores (report "
                                "stage 'refit'; default on, measured better)", negatable=True)
+    fit_steps: int = option(
+        0, "fit every written attention layer by gradient (Adam, N steps of 4 calibration rows) to the source layer's "
+        "output on the calibration rows: a lossy conversion's one-shot loss falls several-fold; minutes on a small "
+        "model on CPU, long on a large one (default 0: off)", metavar="N")
+    fit_lr: float = option(1e-3, "with --fit-steps: Adam's peak learning rate (cosine decay)", metavar="LR")
     refit_weights: str = option("attention", "distances the refit averages RoPE over: the source's attention mass, "
                                 "or uniform over causal pairs", choices=("attention", "uniform"))

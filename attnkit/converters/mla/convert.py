@@ -31,6 +31,7 @@ from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields
 from attnkit.converters.mla.metrics import ErrorStat
 from attnkit.converters.mla.engine_fit import engine_tensors
 from attnkit.converters.mla.engines import pad_value_heads
+from attnkit.converters.mla.fit import fit_attention
 from attnkit.converters.mla.progress import ConversionProgress
 from attnkit.converters.mla.native import (Target, constant_for, native_attention_tensors, target_for,
                                            written_attention)
@@ -310,6 +311,12 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, module: tor
                 tensors = {n: v.to(s.out_dtype) for n, v in tensors.items()}  # what is written, and measured
                 native = written_attention(t.target.config, layer, tensors, dev, s.format)
                 attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=t.mask)[0]  # noqa: E731
+                if s.fit_steps:
+                    fit = fit_attention(native, attend, source_attn, norm1, h_cal, s.fit_steps, s.fit_lr, dev)
+                    engine_info = {**engine_info, "fit": fit.as_dict()}
+                    fitted = native.state_dict()
+                    tensors = {n: fitted[n].to(s.out_dtype) for n in tensors}
+                    native = written_attention(t.target.config, layer, tensors, dev, s.format)  # as written
             else:
                 attend = builders[k]()[0]
             attend = attend if k == "native" else view.wrap(attend)  # stages run on the view's input

@@ -27,6 +27,7 @@ FOLDED_EXACT = ("QK norms folded into q_proj/k_proj as their weights times one l
                 "head (lossy: the norm step alone), then GQA as MLA")
 LIFTED_EXACT = "GQA as MLA on the normalised keys and the values: the latent is written after the source's key norm"
 ATTNKIT_NATIVE = "the attnkit format as it runs (latent from the normalised keys, no latent norm), output dtype rounding"
+FIT = "each layer's every weight, relative squared error on the calibration rows, per layer in `layers[].fit`"
 ENGINE_NATIVE = ("DeepSeek-V3 layer in the engine form (no biases, interleaved RoPE, q latent of rank D): latent "
                  "RMSNorm linear through its epsilon, residual stream scaled, output dtype rounding")
 
@@ -47,6 +48,8 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
     steps = []
     what_of = {**STEP_INFO, **({"exact": FOLDED_EXACT} if folded else {}), **({"native": ENGINE_NATIVE} if s.target == "engines" else {}),
                **({"exact": LIFTED_EXACT, "native": ATTNKIT_NATIVE} if s.format == "attnkit" else {})}
+    if s.fit_steps:
+        what_of["native"] += f"; then fitted by gradient to the source attention's output ({FIT}, {s.fit_steps} steps)"
     for name, m in metrics.items():
         what = what_of[name]
         steps.append({"name": name, "exact": exact[name], "alone": _alone(name, exact[name], s, folded), "what": what,
@@ -83,6 +86,8 @@ def build_report(src, s, tgt_cfg, metrics: dict, attn_err: dict, src_ppl: float,
 
 
 def _alone(name: str, exact: bool, s, folded: bool) -> str:
+    if name == "native" and s.fit_steps:
+        return "fitted"
     if name == "native":
         return "engine form" if s.target == "engines" and s.format != "attnkit" else "rounding"
     if name == "exact" and folded:

@@ -32,6 +32,8 @@ class Settings(StreamSettings):
     format: str = "deepseek_v3"  # deepseek_v3 | attnkit (QK norms before the latent, custom code)
     report: str = "steps"  # steps: every step measured end to end; final: the written model only
     engine_sizes: str | None = None  # vllm | vllm-cpu: --kv-budget chooses among the splits those kernels take
+    fit_steps: int = 0  # Adam steps fitting each written attention layer to the source's output (`fit.py`)
+    fit_lr: float = 1e-3
     PRIVATE: ClassVar[tuple[str, ...]] = (*StreamSettings.PRIVATE, "src_itemsize")
 
     @property
@@ -99,13 +101,16 @@ def resolve_settings(args: argparse.Namespace, shape: Shape, src_dtype: torch.dt
     if v_head_dim < shape.d:
         raise AttnkitError(f"--v-head-dim must be >= head_dim {shape.d} (values are zero-padded, never cut), got {v_head_dim}")
     refit = getattr(args, "refit_weights", "attention") if getattr(args, "refit_query", True) else "off"
+    fit_steps, fit_lr = getattr(args, "fit_steps", 0) or 0, getattr(args, "fit_lr", 1e-3)
+    if fit_steps < 0 or not fit_lr > 0:
+        raise AttnkitError(f"--fit-steps must be >= 0 and --fit-lr > 0, got {fit_steps} and {fit_lr}")
     return Settings(
         kv_lora_rank=rank, rope_dim=rope_dim, rope_method=args.rope_method, rope_frequencies=frequencies,
         objective=getattr(args, "objective", None) or "attention", **stream_fields(args, src_dtype),
         src_itemsize=torch.empty(0, dtype=src_dtype).element_size(),
         refit_query=refit, rope_score=rope_score_for(getattr(args, "rope_score", None), args.rope_method, frequencies, refit),
         kv_budget=budget, target=target, v_head_dim=v_head_dim, format=fmt, report=getattr(args, "report", "steps"),
-        engine_sizes=engine_sizes,
+        engine_sizes=engine_sizes, fit_steps=fit_steps, fit_lr=fit_lr,
     )
 
 

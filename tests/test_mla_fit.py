@@ -1,0 +1,114 @@
+"""`--fit-steps` (attnkit.converters.mla.fit): the fit lowers a lossy layer's error, never writes a layer it
+made worse, leaves an exact conversion exact, and is reported per layer."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from attnkit.cli import main
+from attnkit.converters.mla import fit
+from attnkit.converters.stream.rowstore import RowStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mla_fixtures import logits_rel, save_model  # noqa: E402
+from conftest import refused_in_one_line  # noqa: E402
+
+FAST = ["--calib-tokens", "512", "--calib-seq-len", "32", "--eval-tokens", "128"]
+
+
+def _rows(tmp_path, n=8, T=6, D=5, seed=0) -> RowStore:
+    torch.manual_seed(seed)
+    return RowStore.from_tensor(tmp_path / "rows.f32", torch.randn(n, T, D))
+
+
+def _pair(D=5, seed=0):
+    """A source map x -> tanh(x A) and a linear student started near it: a lossy 'conversion'."""
+    torch.manual_seed(seed)
+    a = torch.randn(D, D)
+    student = torch.nn.Linear(D, D, bias=False)
+    with torch.no_grad():
+        student.weight.copy_(a.T + 0.3 * torch.randn(D, D))
+    return student, (lambda x: torch.tanh(x @ a))
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 50), steps=st.sampled_from([20, 60]))
+def test_fit_lowers_the_error_of_a_lossy_layer(tmp_path_factory, seed, steps):
+    tmp = tmp_path_factory.mktemp("fit")
+    student, source = _pair(seed=seed)
+    r = fit.fit_attention(student, student, source, lambda x: x, _rows(tmp, seed=seed), steps, 3e-2, "cpu")
+    assert r.kept == "fitted" and r.steps == steps
+    assert r.rel_err_after < r.rel_err_before
+    assert not any(p.requires_grad for p in student.parameters())
+
+
+def test_a_fit_that_ends_worse_is_not_kept(tmp_path):
+    student, source = _pair()
+    start = student.weight.detach().clone()
+    r = fit.fit_attention(student, student, source, lambda x: x, _rows(tmp_path), 10, 1e4, "cpu")  # diverges
+    assert r.kept == "start" and r.rel_err_after == r.rel_err_before
+    assert torch.equal(student.weight, start)
+
+
+def test_an_exact_layer_is_not_fitted(tmp_path):
+    student, _ = _pair()
+    start = student.weight.detach().clone()
+    r = fit.fit_attention(student, student, lambda x: x @ start.T, lambda x: x, _rows(tmp_path), 10, 1e-2, "cpu")
+    assert r.kept == "exact" and r.steps == 0 and torch.equal(student.weight, start)
+
+
+@settings(max_examples=20, deadline=None)
+@given(steps=st.integers(1, 500), lr=st.floats(1e-5, 1.0))
+def test_schedule_warms_up_then_decays_to_zero(steps, lr):
+    rates = [fit.lr_at(k, steps, lr) for k in range(steps)]
+    assert all(0 < r <= lr * (1 + 1e-9) for r in rates)
+    if steps >= 20:
+        assert rates[-1] < 0.05 * lr and max(rates) > 0.99 * lr
+    peak = rates.index(max(rates))
+    assert all(a >= b - 1e-12 for a, b in zip(rates[peak:], rates[peak + 1:]))  # non-increasing after the peak
+
+
+def test_batches_cycle_through_every_row(tmp_path):
+    rows = _rows(tmp_path, n=6)
+    batch = fit._batches(rows, 4)
+    everything = rows.read(0, 6)
+    assert torch.equal(batch(0), everything[:4])
+    assert torch.equal(batch(1), torch.cat([everything[4:], everything[:2]]))
+
+
+def _convert(src, out, calib, *extra) -> dict:
+    assert main(["convert", "--to", "mla", str(src), "-o", str(out), "--calib", str(calib), *FAST, *extra]) == 0
+    return json.loads((out / "attnkit_report.json").read_text())
+
+
+def test_fitted_conversion_has_a_lower_one_shot_loss(tmp_path, calib):
+    src = save_model(tmp_path / "src", "qwen2")  # biases: the engine form drops them, the fit compensates
+    lossy = ["--kv-lora-rank", "9", "--rope-dim", "8", "--report", "final"]
+    plain = _convert(src, tmp_path / "plain", calib, *lossy)
+    fitted = _convert(src, tmp_path / "fit", calib, *lossy, "--fit-steps", "40", "--fit-lr", "3e-3")
+    assert fitted["steps"][-1]["alone"] == "fitted" and "--fit-steps" not in plain["steps"][-1]["what"]
+    assert fitted["settings"]["fit_steps"] == 40 and plain["settings"]["fit_steps"] == 0
+    records = [layer["fit"] for layer in fitted["layers"]]
+    assert all(r["rel_err_after"] <= r["rel_err_before"] for r in records)
+    assert any(r["kept"] == "fitted" for r in records)
+    assert fitted["steps"][-1]["kl"] < plain["steps"][-1]["kl"]
+    assert logits_rel(src, tmp_path / "fit") < logits_rel(src, tmp_path / "plain")
+
+
+def test_full_size_stays_exact_with_the_fit_on(tmp_path, calib):
+    src = save_model(tmp_path / "src", "llama")
+    report = _convert(src, tmp_path / "out", calib, "--rope-dim", "32", "--kv-lora-rank", "33", "--target",
+                      "transformers", "--fit-steps", "20")
+    assert all(layer["fit"]["kept"] == "exact" for layer in report["layers"])
+    assert logits_rel(src, tmp_path / "out") < 1e-4
+
+
+def test_bad_fit_settings_are_refused_in_one_line(tmp_path, calib, capsys):
+    src = save_model(tmp_path / "src", "llama")
+    for bad in (["--fit-steps", "-1"], ["--fit-steps", "5", "--fit-lr", "0"]):
+        run = lambda: main(["convert", "--to", "mla", str(src), "-o", str(tmp_path / "out"), "--calib", str(calib),  # noqa: E731
+                            *FAST, *bad])
+        refused_in_one_line(run, capsys, tmp_path / "out", "--fit-steps", "--fit-lr")
