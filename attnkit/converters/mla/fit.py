@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.converters.stream.rowstore import RowStore
+from attnkit.training.schedules import lr_multiplier
 
 ROWS_PER_STEP = 4  # calibration rows per optimizer step (4 x 512 tokens at the default --calib-seq-len)
 EXACT_REL_ERR = 1e-6  # a layer this close to the source is exact already: not fitted
@@ -49,11 +50,9 @@ def rel_err(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def lr_at(step: int, steps: int, lr: float) -> float:
-    """Linear warm-up over WARMUP of the steps, then cosine decay to zero."""
-    warm = max(1, int(steps * WARMUP))
-    if step < warm:
-        return lr * (step + 1) / warm
-    return lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
+    """The healing runs' schedule (`lr_multiplier`): linear warm-up over WARMUP of the steps, then cosine
+    decay to zero."""
+    return lr * lr_multiplier(step, steps, max(1, int(steps * WARMUP)), "cosine", min_ratio=0.0)
 
 
 def _batches(rows: RowStore, per_step: int) -> Callable[[int], torch.Tensor]:
@@ -69,8 +68,12 @@ def _batches(rows: RowStore, per_step: int) -> Callable[[int], torch.Tensor]:
 
 
 def _mean_error(student: Callable, teacher: Callable, inputs: Callable[[int], torch.Tensor], count: int) -> float:
+    total = 0.0
     with torch.no_grad():
-        return sum(float(rel_err(student(inputs(k)), teacher(inputs(k)))) for k in range(count)) / count
+        for k in range(count):
+            x = inputs(k)  # read and normalised once for both
+            total += float(rel_err(student(x), teacher(x)))
+    return total / count
 
 
 def fit_attention(module: torch.nn.Module, attend: Callable[[torch.Tensor], torch.Tensor],
@@ -85,8 +88,8 @@ def fit_attention(module: torch.nn.Module, attend: Callable[[torch.Tensor], torc
     inputs = lambda k: attn_input(batch(k).to(dev))  # noqa: E731
     check = min(8, max(1, math.ceil(rows.rows / ROWS_PER_STEP)))
     before = _mean_error(attend, source, inputs, check)
-    if before < EXACT_REL_ERR or steps <= 0:
-        return FitResult(0, before, before, "exact" if before < EXACT_REL_ERR else "start")
+    if before < EXACT_REL_ERR:
+        return FitResult(0, before, before, "exact")
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     params = [p for p in module.parameters()]
     for p in params:
