@@ -133,22 +133,19 @@ def test_fsdp_matches_ddp_and_resumes_exactly(pair, tmp_path):
     assert ddp["processes"] == fsdp["processes"] == 2
     assert [p["distributed_type"] for p in ddp["probes"]] == ["DistributedType.MULTI_CPU"] * 2
     assert [p["distributed_type"] for p in fsdp["probes"]] == ["DistributedType.FSDP"] * 2
-    # the student's frozen 16-bit embeddings and LM head (one table here: tied) whole on each process
-    # (sharded_load.kept_whole), the rest sharded: each process holds its shard, the two add up to DDP's copy,
-    # plus one more of the whole table
+    # the student's frozen 16-bit embeddings and LM head (one table here: tied) split by vocabulary rows
+    # (sharded_load.vocab_tables), the rest sharded by FSDP: the processes' parts add up to DDP's copy
     start = weights(pair["student"])
     tables = [k for k in ("model.embed_tokens.weight", "lm_head.weight") if k in start]
-    assert all(p["sharded_params"] == p["params"] - len(tables) > 0 for p in fsdp["probes"])
-    whole = sum(start[k].numel() * 2 for k in tables)  # bf16
-    assert sum(p["student_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["student_weights"] + whole
+    assert all(p["sharded_params"] == p["params"] > 0 for p in fsdp["probes"])
+    assert sum(p["student_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["student_weights"]
     assert sum(p["adam_state"] for p in fsdp["probes"]) == ddp["probes"][0]["adam_state"]
-    assert any(n.startswith(f"{len(tables)} frozen embedding table(s) held whole in 16 bits") for n in fsdp["notes"])
-    # the teacher's decoder layers sharded too; its untied 16-bit embeddings and LM head whole on each process,
-    # like the student's table (sharded_load.shard_teacher_layers), and its final norm (32 bf16)
+    assert any(n.startswith(f"{len(tables)} frozen embedding table(s) split by vocabulary rows") for n in fsdp["notes"])
+    # the teacher's decoder layers sharded too, its untied 16-bit embeddings and LM head split like the
+    # student's table (sharded_load.shard_teacher_layers); only its final norm (32 bf16) is whole on each process
     teacher = weights(pair["teacher"])
     assert "lm_head.weight" in teacher  # untied: two tables
-    whole = sum(teacher[k].numel() * 2 for k in ("model.embed_tokens.weight", "lm_head.weight")) + 32 * 2
-    assert sum(p["teacher_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["teacher_weights"] + whole
+    assert sum(p["teacher_weights"] for p in fsdp["probes"]) == ddp["probes"][0]["teacher_weights"] + 32 * 2
     assert ddp["probes"][0]["teacher_weights"] == sum(t.numel() * 2 for t in weights(pair["teacher"]).values())  # bf16
     assert any("teacher: 2 decoder layers sharded" in n for n in fsdp["notes"])
     # no process reads a model whole: each builds both empty and reads only its own shards from the checkpoints

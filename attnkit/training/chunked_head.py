@@ -93,6 +93,11 @@ def _logits(h: torch.Tensor, head: HeadBlocks, softcap: float | None) -> tuple[t
         if logits is None:
             logits = z.new_empty(*h.shape[:-1], head.weight.shape[0])
         logits[..., part] = z
+    return capped(logits, softcap)
+
+
+def capped(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(softcap · tanh(logits / softcap), the tanh) as Gemma's forward caps its logits; (logits, None) without a cap."""
     if softcap is None:
         return logits, None
     cap = torch.tanh(logits / softcap)
@@ -161,10 +166,14 @@ def next_token_ce(hidden: torch.Tensor, input_ids: torch.Tensor, head: torch.nn.
     """Mean cross-entropy of predicting token t+1 from positions ≤ t, the head run a chunk of positions at
     a time. hidden [B, L, D] (the head's input), ids [B, L]; equal to the loss on whole logits up to the
     order of the sums."""
+    from attnkit.training import vocab_parallel
+
     vocab = head.weight.shape[0]
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B·(L−1), D]
     y = input_ids[:, 1:].reshape(-1)  # [B·(L−1)]
     rows = max(1, (chunk_bytes or CHUNK_BYTES) // (4 * vocab))  # positions per chunk
+    if vocab_parallel.is_split(head):  # each process holds a block of the vocabulary (FSDP, fp32 runs)
+        return vocab_parallel.next_token_ce_sum(h, y, head, softcap, rows) / h.shape[0]
     blocks = _blocks(head, hidden, block_bytes)
     if not torch.is_grad_enabled():  # validation: the loss alone
         total = sum(_ce_sum(_logits(h[i:i + rows].float(), blocks, softcap)[0], y[i:i + rows])
@@ -186,12 +195,22 @@ def matches(model: torch.nn.Module, input_ids: torch.Tensor, positions: int = 8)
     try:
         with final_hidden(head) as kept:  # a head called by keyword or not at all fails here
             model(input_ids=ids, use_cache=False)
-        blocks = _blocks(head, kept.hidden)  # the weight as the loss will read it, after the model's forward
-        blocks.upcast = True
+        mine = _head_logits(head, kept.hidden.float(), softcap_of(model))
     except (IndexError, TypeError, AttributeError, RuntimeError):
         return False
-    mine = _logits(kept.hidden.float(), blocks, softcap_of(model))[0]
     return mine.shape == logits.shape and torch.allclose(mine, logits, rtol=1e-4, atol=1e-4)
+
+
+def _head_logits(head: torch.nn.Module, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The logits the loss computes from the head's input: its weight as the loss will read it after the model's
+    forward, or a vocabulary-split head's own forward (`vocab_parallel`: a collective, every process calls it)."""
+    from attnkit.training import vocab_parallel
+
+    if vocab_parallel.is_split(head):
+        return capped(head(hidden), softcap)[0]
+    blocks = _blocks(head, hidden)
+    blocks.upcast = True
+    return _logits(hidden, blocks, softcap)[0]
 
 
 def checked_head(model: torch.nn.Module, device) -> torch.nn.Module | None:

@@ -312,16 +312,15 @@ def _build_student(accelerator, recipe: Recipe, inputs: Inputs, data: Data, note
     scheduler = build_scheduler(optimizer, data.total_steps, t.warmup_steps, t.schedule, t.min_lr_ratio,
                                 t.decay_fraction)
     loader = batches.train_loader(data.dataset, t.per_device_batch_size)
-    whole = sharded_load.kept_whole(model, accelerator) if fill_after else []
-    with sharded_load.shards_only(accelerator, whole) if fill_after else contextlib.nullcontext():
+    split = sharded_load.vocab_tables(model, accelerator) if fill_after else []
+    with sharded_load.shards_only(accelerator, split) if fill_after else contextlib.nullcontext():
         model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     if fill_after:
         sharded_load.fill_prepared(model, inputs.student_path, sharded_load.shard_device(accelerator))
-    if whole:
-        frozen.compute_in_fp32(model)  # the modules FSDP left whole hold 16-bit weights: computed in fp32
-        tables = len({id(p) for module in whole for p in module.parameters()})  # tied: one table, two modules
-        notes.append(f"{tables} frozen embedding table(s) held whole in 16 bits on every process, not sharded "
-                     "(FSDP would gather each in fp32 at every step)")
+    if split:
+        tables = len({id(module.weight) for module in split})  # tied: one table, two modules
+        notes.append(f"{tables} frozen embedding table(s) split by vocabulary rows over the processes in 16 bits, "
+                     "never gathered (FSDP would gather each in fp32 at every step)")
     params = [p for p in model.parameters() if p.requires_grad]  # FSDP2: the sharded parameters (DTensors)
     masked = trainable.sharded_grad_masks(model, masks) if _is_fsdp(accelerator) else []
     head = _chunked_head(accelerator, recipe, model, notes)
@@ -332,8 +331,8 @@ def _chunked_head(accelerator, recipe: Recipe, model, notes: list):
     """The student's LM head when its loss needs no whole logits (cross-entropy without KL) and the model's
     logits are its head's output (`chunked_head.matches`, on a few positions): the cross-entropy then runs
     the head a chunk of positions at a time (`train.chunked_head: false` keeps the whole logits). Under FSDP
-    the head's weight is used whole where FSDP leaves it out (`sharded_load.kept_whole`), else as the model's
-    forward left it gathered; not under DeepSpeed, whose engine
+    a head split by vocabulary rows (`sharded_load.vocab_tables`) computes its block of the loss on each
+    process, a head FSDP shards is used as the model's forward left it gathered; not under DeepSpeed, whose engine
     gathers ZeRO-3 partitions inside its own forward only."""
     from accelerate.utils import DistributedType
 

@@ -142,7 +142,7 @@ def _no_rows(args: tuple) -> bool:
     return bool(args) and torch.is_tensor(args[0]) and args[0].numel() == 0
 
 
-def _built_class(module: torch.nn.Module) -> type:
+def built_class(module: torch.nn.Module) -> type:
     """The module's class as the model built it: FSDP2's `fully_shard` swaps it for a subclass
     `FSDP<Name>(FSDPModule, <Name>)`, also on a module whose parameters it leaves alone."""
     from torch.distributed.fsdp import FSDPModule
@@ -161,7 +161,7 @@ def compute_in_fp32(model: torch.nn.Module) -> int:
                       if p is not None and p.dtype in LOW_PRECISION and not _is_dtensor(p))
         if not names:
             continue
-        if _built_class(module) is torch.nn.Embedding:  # look rows up in 16 bits, upcast them: no fp32 table
+        if built_class(module) is torch.nn.Embedding:  # look rows up in 16 bits, upcast them: no fp32 table
             module.register_forward_hook(lambda m, args, out: out.float())
         else:
             module.register_forward_pre_hook(lambda m, args, names=names: _upcast_own(m, names, _no_rows(args)))

@@ -4,10 +4,10 @@
 keeps each process's shard: with N processes on one host that is N whole copies of the student and N of the
 teacher at once, before training starts (a 70B pair on 8 GPUs: 16 × 280 GB of host memory). Here:
 
-* the **teacher** is built with its parameters on the meta device, its decoder layers (and untied embeddings
-  and LM head, unless held whole in 16 bits in an fp32 run) are sharded (`shard_teacher_layers`), memory is
-  allocated for this process's shards and its whole parts only, and each is filled from the checkpoint one
-  tensor at a time (`load_sharded`);
+* the **teacher** is built with its parameters on the meta device, its decoder layers are sharded and its
+  embeddings and LM head sharded or split by vocabulary rows (`shard_teacher_layers`), memory is allocated
+  for this process's shards and its whole parts only, and each is filled from the checkpoint one tensor at a
+  time (`load_sharded`);
 * the **student** is built the same way on every process (`empty_student`), accelerate's FSDP2 preparation
   shards it on the meta device with its own loading turned off (`shards_only`), and each process then fills
   its shards from the checkpoint one tensor at a time (`fill_prepared`). No process reads it whole: with
@@ -27,6 +27,7 @@ import torch
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import LazyCheckpoint
 from attnkit.sdpa import fused_kwargs
+from attnkit.training import vocab_parallel
 from attnkit.training.frozen import LOW_PRECISION
 from attnkit.training.trainable import canonical_name, constant_channel_map
 
@@ -91,20 +92,22 @@ def empty_student(path: Path, trust_remote_code: bool) -> tuple[torch.nn.Module,
 
 
 @contextmanager
-def shards_only(accelerator, whole: Sequence[torch.nn.Module] = ()) -> Iterator[None]:
+def shards_only(accelerator, split: Sequence[torch.nn.Module] = ()) -> Iterator[None]:
     """accelerate's FSDP2 preparation of a model on the meta device, without its own loading: with
     `cpu_ram_efficient_loading` it would broadcast the main process's weights, which are not read yet.
     Without a compute dtype in its mixed-precision policy (fp32 runs), the shards are gathered in fp32:
-    frozen ones held in 16 bits (`frozen.cast_frozen`) are then computed in fp32 like the rest. The modules
-    in `whole` are left out of FSDP (its `ignored_modules`): every process holds them whole (`kept_whole`)."""
+    frozen ones held in 16 bits (`frozen.cast_frozen`) are then computed in fp32 like the rest. The tables in
+    `split` (`vocab_tables`) are left out of FSDP (its `ignored_modules`) and split by vocabulary rows instead
+    (`vocab_parallel`): each process allocates its block of rows, filled from the checkpoint after."""
     plugin = accelerator.state.fsdp_plugin
     loading, policy, ignored = plugin.cpu_ram_efficient_loading, plugin.mixed_precision_policy, plugin.ignored_modules
     plugin.cpu_ram_efficient_loading = False
     plugin.mixed_precision_policy = computing_policy(policy)
-    if whole:
-        for module in whole:  # accelerate moves ignored modules to the device: a meta tensor cannot be moved
-            module.to_empty(device=accelerator.device)  # (filled from the checkpoint after, as the shards are)
-        plugin.ignored_modules = list(whole)
+    if split:
+        vocab_parallel.split_tables(list(split), accelerator.device.type)
+        for module in split:  # accelerate moves ignored modules to the device: a meta tensor cannot be moved
+            module.to_empty(device=accelerator.device)  # this process's rows only
+        plugin.ignored_modules = list(split)
     try:
         yield
     finally:
@@ -112,25 +115,31 @@ def shards_only(accelerator, whole: Sequence[torch.nn.Module] = ()) -> Iterator[
         plugin.ignored_modules = ignored
 
 
-def kept_whole(model: torch.nn.Module, accelerator) -> list[torch.nn.Module]:
-    """The student's input embeddings and LM head, when every parameter they own is frozen and held in 16
-    bits (`frozen.cast_frozen`), to be left out of FSDP: a vocabulary-sized table gathered in fp32 costs
-    more than it saves. FSDP would gather the whole table in fp32 for each forward (the embeddings: for a
-    lookup of a few rows) and keep the LM head gathered from the forward's end to the backward's start,
-    each gather with its all-gather buffers besides: on the Llama-3.2-1B width, 1 GB tables, +2.0 GB for
-    the embeddings' gather and +1.7 GB for the head's, per process, every step. Held whole in 16 bits
-    (0.25 GB more each than a shard at 2 processes) and computed in fp32 (`frozen.compute_in_fp32`: the
-    embeddings look their rows up in 16 bits), they compute the same values. Only where the run computes in
-    fp32 (`--mixed_precision no`, as CPU processes run): a bf16 run gathers them in bf16, half the bytes, and
-    its mix of bf16 FSDP units and fp32-computed modules has not been run here. Not under parameter offload
-    (the shards live on the CPU there, and so would these)."""
-    if not _whole_tables_pay(accelerator):
+def vocab_tables(model: torch.nn.Module, accelerator, frozen_only: bool = True) -> list[torch.nn.Module]:
+    """The model's input embeddings and LM head to split by vocabulary rows (`vocab_parallel`) rather than shard
+    with FSDP: when every parameter they own is held in 16 bits (`frozen.cast_frozen`; `frozen_only`: and does
+    not train) and the run computes in fp32 (`--mixed_precision no`, as CPU processes run). FSDP would gather a
+    whole table in fp32 for each forward (the embeddings: for a lookup of a few rows) and keep the LM head
+    gathered from the forward's end to the backward's start, each gather with its all-gather buffers besides:
+    on the Llama-3.2-1B width, 1 GB tables, +2.0 GB for the embeddings' gather and +1.7 GB for the head's, per
+    process, every step. Split, each process holds 1/P of each table in 16 bits and never gathers it. A bf16
+    run gathers them in bf16 as before (its mix with fp32-computed modules has not been run here), and so does
+    FSDP under parameter offload. Tied tables are split together or not at all."""
+    if not _split_tables_pay(accelerator):
         return []
+    found = _table_modules(model)
+    ok = [m for m in found if _in_16_bits(m) and vocab_parallel.splittable(m)
+          and not (frozen_only and any(p.requires_grad for p in m.parameters()))]
+    tied = len(found) == 2 and found[0].weight is found[1].weight
+    return ([] if len(ok) < 2 else ok) if tied else ok
+
+
+def _table_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """[input embeddings, LM head] that the model has (one module once)."""
     found = []
     for get in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, get, lambda: None)()
-        if module is not None and _in_16_bits(module) and not any(p.requires_grad for p in module.parameters()) \
-                and module not in found:
+        if module is not None and module not in found:
             found.append(module)
     return found
 
@@ -141,9 +150,9 @@ def _in_16_bits(module: torch.nn.Module) -> bool:
     return bool(params) and all(p.dtype in LOW_PRECISION for p in params)
 
 
-def _whole_tables_pay(accelerator) -> bool:
-    """Whether a frozen 16-bit vocabulary table costs less held whole than sharded: where the run computes in
-    fp32 (FSDP would gather it in fp32) and FSDP does not offload parameters (see `kept_whole`)."""
+def _split_tables_pay(accelerator) -> bool:
+    """Whether frozen 16-bit vocabulary tables are split rather than sharded: where the run computes in fp32
+    (FSDP would gather them in fp32) and FSDP does not offload parameters (see `vocab_tables`)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     return getattr(accelerator, "mixed_precision", "no") == "no" and \
@@ -222,24 +231,23 @@ def _read(ckpt: LazyCheckpoint, name: str, like: torch.Tensor, device: torch.dev
 
 def shard_teacher_layers(teacher: torch.nn.Module, accelerator) -> int:
     """FSDP: the frozen teacher sharded over the processes like the student (fully_shard per decoder layer,
-    each its own unit: gathered for its forward, freed after), and its input embeddings and LM head each a
-    unit of their own when they are two tensors (a 70B model's are 8.4 GB in fp32), unless they are held in
-    16 bits in a run that computes in fp32: FSDP would gather each in fp32 (the embeddings for a lookup of a
-    few rows), so they stay whole in 16 bits like the student's (`kept_whole`) and are computed in fp32
-    (`frozen.compute_in_fp32`). Tied ones, the final norm and the rotary tables stay whole on every process.
-    Units below the top level let the trainer call the base model alone (no LM head) when only hidden states
-    are matched. fully_shard moves each process's shard
-    to the device of the default mesh (the GPU of this process; the CPU under gloo), so no device ever holds
-    it whole; on the meta device the shards stay there. Returns the number of decoder layers sharded
-    (0: no decoder-layer class known, the teacher stays replicated)."""
+    each its own unit: gathered for its forward, freed after). Its input embeddings and LM head, held in 16
+    bits in a run that computes in fp32, are split by vocabulary rows like the student's (`vocab_tables`; tied
+    ones too); else, when they are two tensors, each is a unit of its own (a 70B model's are 8.4 GB in fp32).
+    Tied fp32 tables, the final norm and the rotary tables stay whole on every process. Units below the top
+    level let the trainer call the base model alone (no LM head) when only hidden states are matched.
+    fully_shard moves each process's shard to the device of the default mesh (the GPU of this process; the CPU
+    under gloo), so no device ever holds it whole; on the meta device the shards stay there. Returns the number
+    of decoder layers sharded (0: no decoder-layer class known, the teacher stays replicated)."""
     from torch.distributed.fsdp import fully_shard
 
     names = set(getattr(teacher, "_no_split_modules", None) or [])
     layers = [m for m in teacher.modules() if type(m).__name__ in names]
     policy = computing_policy(accelerator.state.fsdp_plugin.mixed_precision_policy)
-    tables = _untied_embeddings(teacher) if layers else []
-    if _whole_tables_pay(accelerator) and all(_in_16_bits(t) for t in tables):
-        tables = []  # held whole in 16 bits, computed in fp32 (the teacher is frozen: no requires_grad to check)
+    split = vocab_tables(teacher, accelerator, frozen_only=False) if layers else []  # frozen: built trainable
+    if split:
+        vocab_parallel.split_tables(split, accelerator.device.type)
+    tables = [] if split or not layers else _untied_embeddings(teacher)
     for unit in layers + tables:
         fully_shard(unit, reshard_after_forward=True, mp_policy=policy)
     return len(layers)
