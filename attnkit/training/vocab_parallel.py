@@ -191,12 +191,10 @@ class _SplitCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, targets, head, softcap, rows):  # hidden [n, D], targets [n]
-        chunks = -(-_most(len(hidden), hidden.device) // rows)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-        for c in range(chunks):  # the same count on every process; a process out of rows sends none
-            part = slice(c * rows, (c + 1) * rows)
-            loss, grad = _block_ce(hidden[part].float(), targets[part], head, softcap, rows, True)
+        for part, width in _chunks(len(hidden), rows, hidden.device):
+            loss, grad = _block_ce(hidden[part].float(), targets[part], head, softcap, width, True)
             total += loss
             grad_h[part] = grad
         ctx.save_for_backward(grad_h)
@@ -214,6 +212,12 @@ def next_token_ce_sum(h: torch.Tensor, y: torch.Tensor, head: torch.nn.Module, s
     """Summed cross-entropy of h [n, D] against targets y [n] over a split head, `rows` positions a chunk."""
     if torch.is_grad_enabled() and h.requires_grad:
         return _SplitCrossEntropy.apply(h, y, head, softcap, rows)
-    chunks = -(-_most(len(h), h.device) // rows)
-    return sum((_block_ce(h[c * rows:(c + 1) * rows].float(), y[c * rows:(c + 1) * rows], head, softcap, rows,
-                          False)[0] for c in range(chunks)), torch.zeros((), device=h.device))
+    return sum((_block_ce(h[part].float(), y[part], head, softcap, width, False)[0]
+                for part, width in _chunks(len(h), rows, h.device)), torch.zeros((), device=h.device))
+
+
+def _chunks(n: int, rows: int, device: torch.device) -> list[tuple[slice, int]]:
+    """(this process's slice, the rows every process pads it to) for each chunk: as many chunks on every
+    process, each as wide as the most rows any process has in it (a process out of rows sends none)."""
+    most = _most(n, device)
+    return [(slice(start, start + rows), min(rows, most - start)) for start in range(0, most, rows)]
