@@ -109,8 +109,8 @@ def _embedding_forward(self: torch.nn.Embedding, ids: torch.Tensor) -> torch.Ten
     local = self.weight.to_local()  # [rows held, D], 16 bits
     flat = ids.reshape(-1)
     n = _most(len(flat), ids.device)
-    every = _gather_padded(flat, n, fill=-1)  # [P·n]
-    if bool(((every < -1) | (every >= self.weight.shape[0])).any()):  # every process sees every id: all raise
+    every = _gather_padded(flat, n)  # [P·n]; padding looks up row 0, never returned
+    if bool(((every < 0) | (every >= self.weight.shape[0])).any()):  # every process sees every id: all raise
         raise IndexError(f"token id out of range for an embedding of {self.weight.shape[0]} rows")
     lo, hi = owned_rows(self.weight)
     inside = (every >= lo) & (every < hi)
