@@ -162,7 +162,8 @@ def _block_ce(h: torch.Tensor, y: torch.Tensor, head: torch.nn.Module, softcap: 
     top = z.amax(-1) if z.shape[1] else z.new_full((len(z),), float("-inf"))
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    sums = torch.exp(z - top[:, None]).sum(-1)
+    e = torch.exp(z - top[:, None])  # [P·rows, rows held]
+    sums = e.sum(-1)
     dist.all_reduce(sums)
     lse = top + torch.log(sums)  # [P·rows]
     lo, hi = owned_rows(head.weight)
@@ -174,7 +175,7 @@ def _block_ce(h: torch.Tensor, y: torch.Tensor, head: torch.nn.Module, softcap: 
     loss = (lse - target)[mine].sum()
     if not want_grad:
         return loss, None
-    g = torch.exp(z - lse[:, None])  # d loss / d logits: softmax − one-hot, this block's columns
+    g = e.div_(sums[:, None])  # d loss / d logits: softmax − one-hot, this block's columns (in place: no second exp)
     g[inside, every_y[inside] - lo] -= 1
     if cap is not None:
         g *= 1 - cap * cap  # through cap · tanh(z / cap)
