@@ -6,7 +6,9 @@
 - `source`: the source model streamed one layer at a time;
 - `settings`, `metrics`, `report`: validated options, error measures, `attnkit_report.json`;
 - `candidates`: measured candidate conversions (`--kv-budget`);
-- `heal_choice`: `--choose-by heal`, the least-KL finalists healed briefly, the best kept;
+- `choice`: split choices measured on whole conversions, run by one loop; its two rules:
+  `heal_choice` (`--choose-by heal`, the least-KL finalists healed briefly, the best kept) and
+  `fit_choice` (`--choose-by fit`, a walk along rope_dim to the split of least fitted KL);
 - `card`: what the model card says of an output with an MLA part (serving, fine-tuning);
 - `convert`: the driver (plan, then execute).
 """

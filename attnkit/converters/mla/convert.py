@@ -25,7 +25,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 
 from attnkit.converters.common import calibration_text, check_device
 from attnkit.converters.measure import SourceAttention, measure_stage, measure_streams, return_freed_memory
-from attnkit.converters.mla import heal_choice, layer as mla
+from attnkit.converters.mla import fit_choice, heal_choice, layer as mla
 from attnkit.converters.mla.candidates import choose_split, rope_score_pass, rope_slots, selection_tokens
 from attnkit.converters.mla.legacy import legacy_fields, legacy_tokenizer_fields, min_transformers
 from attnkit.converters.mla.metrics import ErrorStat
@@ -74,8 +74,8 @@ class Plan:
 
 
 def convert(args: argparse.Namespace) -> int:
-    if getattr(args, "choose_by", "kl") == "heal":
-        return convert_choosing_by_heal(args)
+    if measured_choice(args) != "kl":
+        return convert_choosing(args)
     started = time.time()
     return_freed_memory()
     src = open_source(args.model, calib_dtype=args.calib_dtype, device=args.device)
@@ -114,20 +114,37 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def convert_choosing_by_heal(args: argparse.Namespace) -> int:
-    """--kv-budget F --choose-by heal: the finalists converted and briefly healed (`heal_choice`); the one that
-    healed best is written to OUT, its report's `kv_budget.heal_choice` naming every finalist's figures."""
+def measured_choice(args: argparse.Namespace) -> str:
+    """--choose-by as it applies: auto is fit when the layer fit runs under --kv-budget (the KL ranking is
+    the closed form's, and the fit re-ranks splits), else kl; no choice without --kv-budget but heal/fit's
+    own refusal."""
+    by = getattr(args, "choose_by", "kl") or "kl"
+    if by == "auto":
+        fits = getattr(args, "kv_budget", None) is not None and getattr(args, "fit_steps", 0)
+        return "fit" if fits and not getattr(args, "engine_sizes", None) else "kl"
+    return by
+
+
+def convert_choosing(args: argparse.Namespace) -> int:
+    """--kv-budget F --choose-by heal|fit: splits converted and measured after training (`heal_choice`, a short
+    heal; `fit_choice`, the layer fit); the best is written to OUT, its report's `kv_budget` naming every split
+    measured and its figures."""
+    by = measured_choice(args)
+    if by == "heal":
+        recipe = heal_choice.check_recipe(args)  # refused before OUT is claimed
+    else:
+        fit_choice.check(args)
     src = open_source(args.model)
-    recipe = heal_choice.check_recipe(args)  # refused before OUT is claimed
     with atomic_output_dir(args.out, args.force, (src.path,)) as tmp:
-        budget = heal_choice.choose_by_heal(args, convert, tmp, recipe, teacher=str(src.path))
+        if by == "heal":
+            budget, line = heal_choice.choose_by_heal(args, convert, tmp, recipe, teacher=str(src.path))
+        else:
+            budget, line = fit_choice.choose_by_fit(args, convert, tmp)
         report = json.loads((tmp / "attnkit_report.json").read_text())
         report["kv_budget"] = budget
         (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
         write_model_card(tmp)
-    chosen, heals = budget["chosen"], budget["heal_choice"]
-    print(f"--choose-by heal: chose kv_lora_rank {chosen['kv_lora_rank']}, rope_dim {chosen['rope_dim']} "
-          f"({len(heals['finalists'])} finalists, {heals['steps']} steps of {heals['recipe']} each)")
+    print(line)
     print(f"wrote {args.out}")
     return 0
 

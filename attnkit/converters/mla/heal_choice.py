@@ -12,7 +12,6 @@ ended lowest.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import shutil
 import subprocess
@@ -21,9 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from attnkit.converters.mla.budget import preferred
+from attnkit.converters.mla.choice import Split, Tried, budget_section, choose
 from attnkit.errors import AttnkitError
-
-REPORT = "attnkit_report.json"
 
 
 def finalists(candidates: list[dict], k: int) -> list[dict]:
@@ -49,15 +47,6 @@ def short_heal(recipe: str, model: Path, teacher: str, work: Path, steps: int) -
     return float(json.loads(report.read_text())["eval_after"]["validation"]["loss"])
 
 
-def sub_args(args: argparse.Namespace, out: Path, **changes) -> argparse.Namespace:
-    """The same conversion into a scratch folder, the split measured by KL or (`changes`) named."""
-    ns = copy.copy(args)
-    ns.choose_by, ns.out, ns.force, ns.announce = "kl", str(out), False, False
-    for key, value in changes.items():
-        setattr(ns, key, value)
-    return ns
-
-
 def check_recipe(args: argparse.Namespace) -> str:
     if args.kv_budget is None:
         raise AttnkitError("--choose-by heal chooses among --kv-budget's splits; give --kv-budget F")
@@ -70,38 +59,28 @@ def check_recipe(args: argparse.Namespace) -> str:
 
 
 def choose_by_heal(args: argparse.Namespace, convert_one: Callable[[argparse.Namespace], int],
-                   tmp: Path, recipe: str, teacher: str) -> dict:
+                   tmp: Path, recipe: str, teacher: str) -> tuple[dict, str]:
     """Fill `tmp` (the output's temporary folder) with the finalist that healed best; returns the report's
-    `kv_budget` section with the finalists' heals. `convert_one`: the plain conversion (`convert.convert`);
-    `recipe`: what `check_recipe` returned."""
-    work = tmp / ".choose-by-heal"
-    first = work / "kl-choice"
-    convert_one(sub_args(args, first))
-    budget = json.loads((first / REPORT).read_text())["kv_budget"]
-    rows = []
-    for row in finalists(budget["candidates"], args.heal_candidates):
-        split = (row["kv_lora_rank"], row["rope_dim"])
-        kl_pick = split == (budget["chosen"]["kv_lora_rank"], budget["chosen"]["rope_dim"])
-        folder = first if kl_pick else work / f"r{split[0]}_dr{split[1]}"
-        if not kl_pick:
-            convert_one(sub_args(args, folder, kv_budget=None, engine_sizes=None, kv_lora_rank=split[0],
-                                 rope_dim=split[1]))
+    `kv_budget` section with the finalists' heals, and a line saying what was chosen. `convert_one`: the plain
+    conversion (`convert.convert`); `recipe`: what `check_recipe` returned."""
+    kls: dict[Split, float] = {}  # the finalists' one-shot KL, from the KL search's table
+
+    def propose(budget: dict, tried: list[Tried]) -> Split | None:
+        rows = finalists(budget["candidates"], args.heal_candidates)
+        kls.update({(r["kv_lora_rank"], r["rope_dim"]): r["kl"] for r in rows})
+        return (rows[len(tried)]["kv_lora_rank"], rows[len(tried)]["rope_dim"]) if len(tried) < len(rows) else None
+
+    def score(folder: Path, split: Split) -> tuple[float, dict]:
         print(f"--choose-by heal: healing {split[0]}/{split[1]} for {args.heal_steps} steps …", flush=True)
-        healed = work / f"heal-r{split[0]}_dr{split[1]}"
+        healed = folder.parent / f"heal-r{split[0]}_dr{split[1]}"
         loss = short_heal(recipe, folder, teacher, healed, args.heal_steps)
         shutil.rmtree(healed)
-        rows.append({"kv_lora_rank": split[0], "rope_dim": split[1], "kl": row["kl"], "heal_validation_loss": loss,
-                     "folder": folder})
-        print(f"--choose-by heal: {split[0]}/{split[1]} (KL {row['kl']:.4f}) -> validation loss {loss:.4f} "
+        print(f"--choose-by heal: {split[0]}/{split[1]} (KL {kls[split]:.4f}) -> validation loss {loss:.4f} "
               f"after {args.heal_steps} steps")
-        best = min(rows, key=lambda r: r["heal_validation_loss"])
-        for r in rows:  # at most two conversions on disk: the best so far and the next finalist
-            if r is not best and r["folder"].exists():
-                shutil.rmtree(r["folder"])
-    for item in best["folder"].iterdir():
-        shutil.move(str(item), str(tmp / item.name))
-    shutil.rmtree(work)
-    chosen = {"kv_lora_rank": best["kv_lora_rank"], "rope_dim": best["rope_dim"]}
-    return {**budget, "chosen": chosen, "chosen_by": "heal", "kl_chosen": budget["chosen"],
-            "heal_choice": {"recipe": Path(args.heal_recipe).name, "steps": args.heal_steps,
-                            "finalists": [{k: v for k, v in r.items() if k != "folder"} for r in rows]}}
+        return loss, {"kl": kls[split], "heal_validation_loss": loss}
+
+    budget, tried = choose(args, convert_one, tmp, "heal", propose, score)
+    section = budget_section(budget, tried, "heal", {"recipe": Path(args.heal_recipe).name, "steps": args.heal_steps})
+    chosen = section["chosen"]
+    return section, (f"--choose-by heal: chose kv_lora_rank {chosen['kv_lora_rank']}, rope_dim {chosen['rope_dim']} "
+                     f"({len(tried)} finalists, {args.heal_steps} steps of {Path(args.heal_recipe).name} each)")
