@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, sys.argv[2])
 from test_real_configs import NAMES, build
-from attnkit.training import sharded_load
+from attnkit.training import sharded_load, vocab_parallel
 from attnkit.training.models import load_causal_lm
 from attnkit.training.teacher import load_fsdp_teacher
 
@@ -69,8 +69,9 @@ for name in NAMES:
                   "dtypes": sorted({str(p.dtype) for p in teacher.parameters()}),
                   "tables_sharded": [isinstance(m.weight, DTensor) for m in (teacher.get_input_embeddings(),
                                                                            teacher.get_output_embeddings())],
-                  "plain": [type(whole.get_input_embeddings()) is torch.nn.Embedding,
-                            type(whole.get_output_embeddings()) is torch.nn.Linear]}
+                  "plain": [vocab_parallel.splittable(whole.get_input_embeddings()),
+                            vocab_parallel.splittable(whole.get_output_embeddings())],
+                  "scaled": type(whole.get_input_embeddings()).__name__ in vocab_parallel.SCALED_EMBEDDINGS}
 dist.destroy_process_group()
 print(json.dumps({"fp32": out, "bf16": held}))
 '''
@@ -88,13 +89,12 @@ def test_sharded_teacher_equals_from_pretrained_on_every_real_config(tmp_path):
         assert r["diff"] == 0.0, (name, r)
         assert r["layers"] == 2, (name, r)
         assert r["head_sharded"] == (not r["tied"]), (name, r)  # untied fp32 LM heads are FSDP units of their own
-        # held in bf16 in an fp32 run, plain tables are split by vocabulary rows (FSDP would gather them in fp32),
-        # tied ones together; others (Gemma's scaled embeddings) stay whole: the same outputs either way
-        plain = held[name].pop("plain")
-        split = [all(plain)] * 2 if r["tied"] else plain
-        assert held[name] == {"equal": True, "dtypes": ["torch.bfloat16"], "tables_sharded": split}, \
+        # held in bf16 in an fp32 run, the tables are split by vocabulary rows (FSDP would gather them in fp32),
+        # tied ones together, Gemma's scaled embeddings too: the same outputs bit for bit
+        plain, scaled = held[name].pop("plain"), held[name].pop("scaled")
+        assert all(plain) and scaled == name.startswith("google--gemma"), (name, plain, scaled)
+        assert held[name] == {"equal": True, "dtypes": ["torch.bfloat16"], "tables_sharded": [True, True]}, \
             (name, held[name])
-        assert any(split) or name.startswith("google--gemma"), (name, plain)
 
 
 def _plugin_accelerator(offload: bool = False, mixed_precision: str = "no"):

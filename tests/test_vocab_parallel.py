@@ -1,7 +1,8 @@
 """Vocabulary tables split by rows over 2 gloo processes (`attnkit/training/vocab_parallel.py`) compute what
 the whole tables compute: embedding rows bit for bit, whole logits, and the chunked cross-entropy and its
 gradient (fp32, tight tolerance), with an odd vocabulary (blocks of unequal size), processes holding unequal
-numbers of rows (one none at all), an LM head with and without bias, Gemma's soft-capping, tied tables.
+numbers of rows (one none at all), an LM head with and without bias, Gemma's soft-capping and scaled embeddings,
+tied tables.
 
 Each rank is its own Python process (a file-based gloo group of 2), like the trainer's processes."""
 
@@ -68,6 +69,20 @@ for case, (vocab, width, bias, softcap, tied, rows) in enumerate([
         r["loss_no_grad"] = abs(float(vocab_parallel.next_token_ce_sum(h, y, head, softcap, 3)) - float(loss2))
     r["held"] = emb.weight.to_local().shape[0]
     out.append(r)
+# Gemma's scaled embedding (lookup times a bf16 `embed_scale` buffer): split, it computes what its own forward
+# computes on the fp32 table FSDP would have gathered, bit for bit
+from transformers.models.gemma2.modeling_gemma2 import Gemma2TextScaledWordEmbedding
+g = torch.Generator().manual_seed(7)
+scaled = Gemma2TextScaledWordEmbedding(37, 8, 0, embed_scale=8 ** 0.5).to(torch.bfloat16).requires_grad_(False)
+with torch.no_grad():
+    scaled.weight.copy_(torch.randn(37, 8, generator=g))
+whole = Gemma2TextScaledWordEmbedding(37, 8, 0, embed_scale=8 ** 0.5).to(torch.bfloat16)
+whole.load_state_dict(scaled.state_dict())
+whole.float()
+whole.embed_scale = scaled.embed_scale  # bf16, as the model's buffers are: its forward casts it to the table's fp32
+ids = torch.randint(0, 37, (1, 5 + rank), generator=torch.Generator().manual_seed(rank))
+assert vocab_parallel.splittable(scaled) and vocab_parallel.split_tables([scaled], "cpu") == 1
+out.append({"scaled_equal": bool(torch.equal(scaled(ids), whole(ids))), "scale_dtype": str(scaled.embed_scale.dtype)})
 try:  # an id outside the table is refused on every process, not looked up as zeros
     emb(torch.tensor([[0] if rank == 0 else [-1]]))  # -1 on one process only: both refuse
     out.append("no error")
@@ -88,11 +103,12 @@ def test_split_tables_compute_what_whole_tables_compute(tmp_path):
         assert p.returncode == 0, stderr[-3000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
     for rank, found in enumerate(results):
-        *cases, refused = found
+        *cases, scaled, refused = found
         assert refused == "token id out of range for an embedding of 3 rows", (rank, refused)
+        assert scaled == {"scaled_equal": True, "scale_dtype": "torch.bfloat16"}, (rank, scaled)
         for case, r in enumerate(cases):
             assert r["emb_equal"], (rank, case, r)
             assert r["logits"] < 1e-5 and r["loss"] < 1e-4 and r["loss_no_grad"] < 1e-4 and r["grad"] < 1e-5, (rank, case, r)
     # blocks of torch.chunk's sizes: 37 rows → 19 + 18, 3 rows → 2 + 1
-    assert [r["held"] for r in results[0][:-1]] == [19, 19, 20, 2]
-    assert [r["held"] for r in results[1][:-1]] == [18, 18, 20, 1]
+    assert [r["held"] for r in results[0][:-2]] == [19, 19, 20, 2]
+    assert [r["held"] for r in results[1][:-2]] == [18, 18, 20, 1]

@@ -7,7 +7,8 @@ checkpoint's 16 bits (a DTensor sharded on dim 0, FSDP's layout, so the checkpoi
 export treat it like any shard), and the modules compute on their block without ever gathering it:
 
 * **embeddings** (`_embedding_forward`): every process's ids are gathered (a few KB), each process looks up
-  the rows it owns (zeros elsewhere), and a sum over the processes gives everyone the rows: [P·n, D] fp32.
+  the rows it owns (zeros elsewhere), and a sum over the processes gives everyone the rows: [P·n, D] fp32
+  (times `embed_scale` for Gemma's scaled embeddings, `SCALED_EMBEDDINGS`).
 * **LM head**: every process's hidden states are gathered and each process computes the logits of its own
   vocabulary block for all of them. The cross-entropy (`next_token_ce_sum`) is assembled from each row's maxima,
   sums of exponentials and target logit, summed over the processes (a few floats per row); its gradient for the
@@ -95,12 +96,22 @@ def _split(t: torch.Tensor, mesh) -> torch.Tensor:
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
 
 
+# transformers' embeddings whose forward is the lookup times a scalar buffer `embed_scale` (sqrt(hidden) in the
+# Gemma family), `super().forward(ids) * self.embed_scale.to(self.weight.dtype)` in every one (transformers 5.x)
+SCALED_EMBEDDINGS = frozenset({"GemmaTextScaledWordEmbedding", "Gemma2TextScaledWordEmbedding",
+                               "Gemma3TextScaledWordEmbedding", "Gemma4TextScaledWordEmbedding",
+                               "VaultGemmaTextScaledWordEmbedding"})
+
+
 def splittable(module: torch.nn.Module) -> bool:
-    """A plain embedding (no max_norm) or a plain linear LM head: the computations here are theirs."""
+    """A plain embedding (no max_norm), a Gemma-style scaled one, or a plain linear LM head: the computations
+    here are theirs."""
     from attnkit.training.frozen import built_class
 
     cls = built_class(module)
-    return (cls is torch.nn.Embedding and module.max_norm is None) or cls is torch.nn.Linear
+    embedding = cls is torch.nn.Embedding or (cls.__name__ in SCALED_EMBEDDINGS and issubclass(cls, torch.nn.Embedding)
+                                              and isinstance(getattr(module, "embed_scale", None), torch.Tensor))
+    return (embedding and module.max_norm is None) or cls is torch.nn.Linear
 
 
 def _embedding_forward(self: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
@@ -117,7 +128,9 @@ def _embedding_forward(self: torch.nn.Embedding, ids: torch.Tensor) -> torch.Ten
     rows = torch.zeros(len(every), local.shape[1], dtype=torch.float32, device=ids.device)  # [P·n, D]
     rows[inside] = local[every[inside] - lo].float()
     dist.all_reduce(rows)
-    return rows[rank * n:rank * n + len(flat)].reshape(*ids.shape, local.shape[1])
+    mine = rows[rank * n:rank * n + len(flat)].reshape(*ids.shape, local.shape[1])
+    scale = getattr(self, "embed_scale", None)  # a scaled embedding's factor, in the fp32 its own forward would use
+    return mine if scale is None else mine * scale.float()
 
 
 def _local_blocks(head: torch.nn.Module) -> HeadBlocks:

@@ -129,7 +129,7 @@ def convert_choosing(args: argparse.Namespace) -> int:
     """--kv-budget F --choose-by heal|fit: splits converted and measured after training (`heal_choice`, a short
     heal; `fit_choice`, the layer fit); the best is written to OUT, its report's `kv_budget` naming every split
     measured and its figures."""
-    by = measured_choice(args)
+    started, by = time.time(), measured_choice(args)
     if by == "heal":
         recipe = heal_choice.check_recipe(args)  # refused before OUT is claimed
     else:
@@ -142,6 +142,7 @@ def convert_choosing(args: argparse.Namespace) -> int:
             budget, line = fit_choice.choose_by_fit(args, convert, tmp)
         report = json.loads((tmp / "attnkit_report.json").read_text())
         report["kv_budget"] = budget
+        report["wall_time_s"] = round(time.time() - started, 2)  # every split converted, not only the one written
         (tmp / "attnkit_report.json").write_text(json.dumps(report, indent=2))
         write_model_card(tmp)
     print(line)
