@@ -38,8 +38,9 @@ class Tried:
 
 # (the --kv-budget section of the KL choice's report, the splits tried so far) -> the next split, or None to stop
 Propose = Callable[[dict, list[Tried]], "Split | None"]
-# (a converted split's folder, the split) -> (score, the fields the report lists for it)
-Score = Callable[[Path, Split], tuple[float, dict]]
+# (a converted split's folder, the split, its one-shot KL in the KL search's table or None) -> (score, the fields
+# the report lists for it besides that KL)
+Score = Callable[[Path, Split, "float | None"], tuple[float, dict]]
 
 
 def sub_args(args: argparse.Namespace, out: Path, **changes) -> argparse.Namespace:
@@ -55,6 +56,11 @@ def chosen_split(budget: dict) -> Split:
     return budget["chosen"]["kv_lora_rank"], budget["chosen"]["rope_dim"]
 
 
+def least(tried: list[Tried]) -> Tried:
+    """The split of least score so far."""
+    return min(tried, key=lambda t: t.score)
+
+
 def choose(args: argparse.Namespace, convert_one: Callable[[argparse.Namespace], int], tmp: Path, label: str,
            propose: Propose, score: Score) -> tuple[dict, list[Tried]]:
     """Fill `tmp` (the output's temporary folder) with the proposed split of least score. Returns the KL
@@ -63,19 +69,19 @@ def choose(args: argparse.Namespace, convert_one: Callable[[argparse.Namespace],
     first = work / "kl-choice"
     convert_one(sub_args(args, first))
     budget = json.loads((first / REPORT).read_text())["kv_budget"]
+    kls = {(r["kv_lora_rank"], r["rope_dim"]): r["kl"] for r in budget["candidates"]}  # the closed form's
     tried: list[Tried] = []
     while (split := propose(budget, tried)) is not None:
         folder = first if split == chosen_split(budget) else work / f"r{split[0]}_dr{split[1]}"
         if folder is not first:
             convert_one(sub_args(args, folder, kv_budget=None, engine_sizes=None, kv_lora_rank=split[0],
                                  rope_dim=split[1]))
-        value, fields = score(folder, split)
-        tried.append(Tried(split, value, fields, folder))
-        best = min(tried, key=lambda t: t.score)
+        value, fields = score(folder, split, kls.get(split))
+        tried.append(Tried(split, value, {"kl": kls.get(split), **fields}, folder))
+        best = least(tried)
         for t in tried:
             if t is not best and t.folder is not None and t.folder.exists():
                 shutil.rmtree(t.folder)
-    best = min(tried, key=lambda t: t.score)
     for item in best.folder.iterdir():
         shutil.move(str(item), str(tmp / item.name))
     shutil.rmtree(work)
@@ -84,6 +90,6 @@ def choose(args: argparse.Namespace, convert_one: Callable[[argparse.Namespace],
 
 def budget_section(budget: dict, tried: list[Tried], label: str, details: dict) -> dict:
     """The written report's `kv_budget`: the KL search's table, the measured choice and how it was made."""
-    best = min(tried, key=lambda t: t.score)
+    best = least(tried)
     return {**budget, "chosen": {"kv_lora_rank": best.split[0], "rope_dim": best.split[1]}, "chosen_by": label,
             "kl_chosen": budget["chosen"], f"{label}_choice": {**details, "finalists": [t.row() for t in tried]}}

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from attnkit.converters.mla.choice import REPORT, Split, Tried, budget_section, choose, chosen_split
+from attnkit.converters.mla.choice import REPORT, Split, Tried, budget_section, choose, chosen_split, least
 from attnkit.errors import AttnkitError
 
 
@@ -51,7 +51,7 @@ def next_split(budget: dict, tried: list[Tried], limit: int) -> Split | None:
     step, values = walk_step(rope), rank + rope
     widest = max(row["rope_dim"] for row in budget["candidates"])
     seen = {t.split[1] for t in tried}
-    best = min(tried, key=lambda t: t.score).split[1]
+    best = least(tried).split[1]
     for d in (best - step, best + step):
         if d not in seen and 2 <= d <= widest and values - d >= 2:
             return values - d, d
@@ -68,20 +68,17 @@ def choose_by_fit(args: argparse.Namespace, convert_one: Callable[[argparse.Name
                   tmp: Path) -> tuple[dict, str]:
     """Fill `tmp` (the output's temporary folder) with the split of least fitted KL; returns the report's
     `kv_budget` section with every split fitted, and a line saying what was chosen."""
-    kls: dict[Split, float] = {}
-
     def propose(budget: dict, tried: list[Tried]) -> Split | None:
-        kls.update({(r["kv_lora_rank"], r["rope_dim"]): r["kl"] for r in budget["candidates"]})
         split = next_split(budget, tried, args.fit_candidates)
         if split is not None:
             print(f"--choose-by fit: fitting {split[0]}/{split[1]} ({len(tried) + 1} of at most "
                   f"{args.fit_candidates}) …", flush=True)
         return split
 
-    def score(folder: Path, split: Split) -> tuple[float, dict]:
-        kl = fitted_kl(folder)
-        print(f"--choose-by fit: {split[0]}/{split[1]} fitted KL {kl:.4f}", flush=True)
-        return kl, {"kl": kls.get(split), "fitted_kl": kl}  # kl: the closed form's, where the search measured it
+    def score(folder: Path, split: Split, kl: float | None) -> tuple[float, dict]:
+        fitted = fitted_kl(folder)
+        print(f"--choose-by fit: {split[0]}/{split[1]} fitted KL {fitted:.4f}", flush=True)
+        return fitted, {"fitted_kl": fitted}
 
     budget, tried = choose(args, convert_one, tmp, "fit", propose, score)
     section = budget_section(budget, tried, "fit", {"fit_steps": args.fit_steps, "step": walk_step(budget["chosen"]["rope_dim"])})

@@ -63,21 +63,18 @@ def choose_by_heal(args: argparse.Namespace, convert_one: Callable[[argparse.Nam
     """Fill `tmp` (the output's temporary folder) with the finalist that healed best; returns the report's
     `kv_budget` section with the finalists' heals, and a line saying what was chosen. `convert_one`: the plain
     conversion (`convert.convert`); `recipe`: what `check_recipe` returned."""
-    kls: dict[Split, float] = {}  # the finalists' one-shot KL, from the KL search's table
-
     def propose(budget: dict, tried: list[Tried]) -> Split | None:
         rows = finalists(budget["candidates"], args.heal_candidates)
-        kls.update({(r["kv_lora_rank"], r["rope_dim"]): r["kl"] for r in rows})
         return (rows[len(tried)]["kv_lora_rank"], rows[len(tried)]["rope_dim"]) if len(tried) < len(rows) else None
 
-    def score(folder: Path, split: Split) -> tuple[float, dict]:
+    def score(folder: Path, split: Split, kl: float | None) -> tuple[float, dict]:
         print(f"--choose-by heal: healing {split[0]}/{split[1]} for {args.heal_steps} steps …", flush=True)
         healed = folder.parent / f"heal-r{split[0]}_dr{split[1]}"
         loss = short_heal(recipe, folder, teacher, healed, args.heal_steps)
         shutil.rmtree(healed)
-        print(f"--choose-by heal: {split[0]}/{split[1]} (KL {kls[split]:.4f}) -> validation loss {loss:.4f} "
+        print(f"--choose-by heal: {split[0]}/{split[1]} (KL {kl:.4f}) -> validation loss {loss:.4f} "
               f"after {args.heal_steps} steps")
-        return loss, {"kl": kls[split], "heal_validation_loss": loss}
+        return loss, {"heal_validation_loss": loss}
 
     budget, tried = choose(args, convert_one, tmp, "heal", propose, score)
     section = budget_section(budget, tried, "heal", {"recipe": Path(args.heal_recipe).name, "steps": args.heal_steps})
