@@ -112,3 +112,33 @@ def test_bad_fit_settings_are_refused_in_one_line(tmp_path, calib, capsys):
         run = lambda: main(["convert", "--to", "mla", str(src), "-o", str(tmp_path / "out"), "--calib", str(calib),  # noqa: E731
                             *FAST, *bad])
         refused_in_one_line(run, capsys, tmp_path / "out", "--fit-steps", "--fit-lr")
+
+
+def test_the_fit_calibrates_on_the_healing_rows_by_default():
+    """--calib-seq-len defaults to 512, and to the healing recipes' row length where the layer fit runs
+    (fitted on 512-token rows, a layer is fitted for 512 tokens of reach; the heal and attnkit-ppl use 1024)."""
+    import yaml
+    from attnkit.cli import build_parser
+    from attnkit.converters.options import CALIB_SEQ_LEN, FIT_SEQ_LEN, calib_seq_len
+
+    def parsed(to, *extra):
+        return build_parser().parse_args(["convert", "--to", to, "model", "-o", "out", *extra])
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "heal-mla.yaml").read_text())
+    assert FIT_SEQ_LEN == recipe["data"]["seq_len"] and CALIB_SEQ_LEN == 512
+    assert calib_seq_len(parsed("mla")) == CALIB_SEQ_LEN
+    assert calib_seq_len(parsed("mla", "--fit-steps", "10")) == FIT_SEQ_LEN
+    assert calib_seq_len(parsed("mla+dex", "--fit-steps", "10")) == FIT_SEQ_LEN
+    assert calib_seq_len(parsed("mla", "--fit-steps", "10", "--calib-seq-len", "256")) == 256
+    for to in ("dex", "diff", "gqa", "titans"):
+        assert calib_seq_len(parsed(to)) == CALIB_SEQ_LEN
+
+
+def test_a_fitted_conversion_reads_rows_of_the_fit_length(tmp_path, calib):
+    src = save_model(tmp_path / "src", "llama")
+    out = tmp_path / "out"
+    assert main(["convert", "--to", "mla", str(src), "-o", str(out), "--calib", str(calib), "--calib-tokens", "2048",
+                 "--eval-tokens", "1024", "--kv-lora-rank", "9", "--rope-dim", "8", "--report", "final",
+                 "--fit-steps", "2"]) == 0
+    report = json.loads((out / "attnkit_report.json").read_text())
+    assert report["settings"]["seq_len"] == 1024 and report["calibration"]["seq_len"] == 1024
+    assert report["calibration"]["calib_rows"] == 2

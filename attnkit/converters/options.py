@@ -8,6 +8,19 @@ from typing import ClassVar
 
 from attnkit.options import option
 
+CALIB_SEQ_LEN = 512  # calibration rows: long enough for RoPE's reach, short enough for [B, H, T, T] statistics
+FIT_SEQ_LEN = 1024  # with the MLA layer fit: the rows the healing recipes train and `attnkit-ppl` scores on
+
+
+def calib_seq_len(args) -> int:
+    """--calib-seq-len, or its default. The layer fit (`--fit-steps`) learns what the written attention does
+    over the rows it sees: fitted on 512-token rows a layer is fitted for 512 tokens of reach, and the
+    heal and the evaluation then run at 1024 (reference-mha 243/64, 400 fit steps, healed within 2 %:
+    attnkit-ppl x1.025 fitted at 512, x1.018 at 1024; docs/mla.md). The fit's cost doubles with it."""
+    if getattr(args, "calib_seq_len", None) is not None:
+        return args.calib_seq_len
+    return FIT_SEQ_LEN if getattr(args, "fit_steps", 0) else CALIB_SEQ_LEN
+
 
 @dataclass
 class ConvertOptions:
@@ -20,7 +33,9 @@ class ConvertOptions:
     calib: str = option("python", "calibration text: python (stdlib), python+site, a .txt/.jsonl file or folder, "
                         "hf:NAME[:CONFIG][:SPLIT]", metavar="SOURCE")
     calib_tokens: int = option(65536, "calibration tokens (default 65536)", metavar="N")
-    calib_seq_len: int = option(512, "calibration sequence length", metavar="L")
+    calib_seq_len: int | None = option(
+        None, f"calibration sequence length (default {CALIB_SEQ_LEN}; {FIT_SEQ_LEN}, the healing recipes' rows, for "
+        "--to mla with --fit-steps)", metavar="L")
     calib_dtype: str = option("auto", "what the source's MLP multiplies the calibration and held-out rows in: auto = "
                               "a bf16/fp16 checkpoint's own dtype where --device does it natively (AMX or AVX512-BF16 "
                               "CPUs, CUDA), else fp32; fp32 = always fp32 (what the whole model loaded in fp32 computes)",

@@ -42,6 +42,9 @@ def main(args: argparse.Namespace) -> int:
             raise AttnkitError("--tasks names no task")
         bundled.check_names_without_index(names)
     from attnkit.converters.common import check_calib_source
+    from attnkit.converters.options import calib_seq_len
+
+    args.calib_seq_len = calib_seq_len(args)
     from attnkit.io.checkpoint import check_finite
     from attnkit.io.resolve import resolve_model
 

@@ -25,7 +25,7 @@ import torch
 from attnkit.converters.stream.rowstore import RowStore
 from attnkit.training.schedules import lr_multiplier
 
-ROWS_PER_STEP = 4  # calibration rows per optimizer step (4 x 512 tokens at the default --calib-seq-len)
+ROWS_PER_STEP = 4  # calibration rows per optimizer step (4 x 1024 tokens at the default --calib-seq-len with the fit)
 EXACT_REL_ERR = 1e-6  # a layer this close to the source is exact already: not fitted
 WARMUP = 0.05  # of the steps, linear warm-up before the cosine decay
 
