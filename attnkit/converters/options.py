@@ -34,8 +34,8 @@ class ConvertOptions:
                         "hf:NAME[:CONFIG][:SPLIT]", metavar="SOURCE")
     calib_tokens: int = option(65536, "calibration tokens (default 65536)", metavar="N")
     calib_seq_len: int | None = option(
-        None, f"calibration sequence length (default {CALIB_SEQ_LEN}; {FIT_SEQ_LEN}, the healing recipes' rows, for "
-        "--to mla with --fit-steps)", metavar="L")
+        None, f"calibration sequence length; with --fit-steps (--to mla) {FIT_SEQ_LEN}, the healing recipes' rows "
+        f"(default: {CALIB_SEQ_LEN})", metavar="L")
     calib_dtype: str = option("auto", "what the source's MLP multiplies the calibration and held-out rows in: auto = "
                               "a bf16/fp16 checkpoint's own dtype where --device does it natively (AMX or AVX512-BF16 "
                               "CPUs, CUDA), else fp32; fp32 = always fp32 (what the whole model loaded in fp32 computes)",
