@@ -43,10 +43,10 @@ def main(args: argparse.Namespace) -> int:
         bundled.check_names_without_index(names)
     from attnkit.converters.common import check_calib_source
     from attnkit.converters.options import calib_seq_len
-
-    args.calib_seq_len = calib_seq_len(args)
     from attnkit.io.checkpoint import check_finite
     from attnkit.io.resolve import resolve_model
+
+    args.calib_seq_len = calib_seq_len(args)  # 512, or the fit's 1024 (`options.calib_seq_len`)
 
     check_calib_source(args.calib)
     path = resolve_model(args.model)
