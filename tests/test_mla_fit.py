@@ -131,6 +131,10 @@ def test_the_fit_calibrates_on_the_healing_rows_by_default():
     assert calib_seq_len(parsed("mla", "--fit-steps", "10", "--calib-seq-len", "256")) == 256
     for to in ("dex", "diff", "gqa", "titans"):
         assert calib_seq_len(parsed(to)) == CALIB_SEQ_LEN
+    # the settings of a caller that skips `attnkit convert`'s dispatch (the benchmarks' `candidates.prepare`)
+    from attnkit.converters.common import stream_fields
+    assert stream_fields(parsed("mla"), torch.bfloat16)["seq_len"] == CALIB_SEQ_LEN
+    assert stream_fields(parsed("mla", "--fit-steps", "10"), torch.bfloat16)["seq_len"] == FIT_SEQ_LEN
 
 
 def test_a_fitted_conversion_reads_rows_of_the_fit_length(tmp_path, calib):

@@ -59,12 +59,15 @@ class StreamSettings:
 
 def stream_fields(args: argparse.Namespace, src_dtype: torch.dtype) -> dict:
     """`StreamSettings`' fields from the command line (the output dtype defaults to the source's)."""
-    for name in ("calib_tokens", "calib_seq_len"):
-        if getattr(args, name) <= 1:
+    from attnkit.converters.options import calib_seq_len
+
+    seq_len = calib_seq_len(args)  # also for callers that do not go through `attnkit convert` (benchmarks' `prepare`)
+    for name, value in (("calib_tokens", args.calib_tokens), ("calib_seq_len", seq_len)):
+        if value <= 1:
             raise AttnkitError(f"--{name.replace('_', '-')} must be > 1")
     out_dtype = DTYPES[args.dtype] if args.dtype else src_dtype
     return dict(calib=args.calib, calib_tokens=args.calib_tokens, eval_tokens=getattr(args, "eval_tokens", None) or 4096,
-                seq_len=args.calib_seq_len, seed=args.seed, device=args.device,
+                seq_len=seq_len, seed=args.seed, device=args.device,
                 dtype_name=DTYPE_NAMES.get(out_dtype, "float32"), out_dtype=out_dtype)
 
 
