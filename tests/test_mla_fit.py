@@ -53,6 +53,58 @@ def test_a_fit_that_ends_worse_is_not_kept(tmp_path):
     assert torch.equal(student.weight, start)
 
 
+def test_a_fit_that_ends_worse_is_restored_from_the_given_start(tmp_path):
+    """`start=`: the caller's (bf16) tensors, not a copy of the fp32 layer, are what an undone fit restores."""
+    student, source = _pair()
+    with torch.no_grad():
+        student.weight.copy_(student.weight.to(torch.bfloat16).float())  # a layer loaded from bf16 tensors
+    written = {"weight": student.weight.detach().to(torch.bfloat16)}
+    r = fit.fit_attention(student, student, source, lambda x: x, _rows(tmp_path), 10, 1e4, "cpu", start=written)
+    assert r.kept == "start"
+    assert student.weight.dtype == torch.float32 and torch.equal(student.weight, written["weight"].float())
+
+
+class _CausalAttention(torch.nn.Module):
+    """Softmax attention over the rows' own earlier positions: rows interact through nothing but the loss."""
+
+    def __init__(self, D: int, H: int, bias: bool):
+        super().__init__()
+        self.H = H
+        self.qkv = torch.nn.Linear(D, 3 * D, bias=bias)
+        self.o = torch.nn.Linear(D, D, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.H, D // self.H).permute(2, 0, 3, 1, 4)  # each [B, H, T, d]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(B, T, D))
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 5), T=st.integers(1, 9), H=st.sampled_from([1, 2, 4]), d=st.sampled_from([2, 4, 8]),
+       bias=st.booleans(), seed=st.integers(0, 1000))
+def test_the_row_by_row_gradient_is_the_batch_gradient(rows, T, H, d, bias, seed):
+    """backward_by_row accumulates exactly the gradient of the batch's relative error, while the layer only
+    ever sees one row (what bounds the fit's activations)."""
+    torch.manual_seed(seed)
+    layer = _CausalAttention(H * d, H, bias).double()
+    x, target = torch.randn(rows, T, H * d, dtype=torch.float64), torch.randn(rows, T, H * d, dtype=torch.float64)
+    fit.rel_err(layer(x), target).backward()
+    whole = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    seen = []
+
+    def attend(batch: torch.Tensor) -> torch.Tensor:
+        seen.append(batch.shape[0])
+        return layer(batch)
+    fit.backward_by_row(attend, x, target)
+    assert seen == [1] * rows
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, whole[n], rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(fit.by_row(layer, x), layer(x), rtol=1e-10, atol=1e-12)
+
+
 def test_an_exact_layer_is_not_fitted(tmp_path):
     student, _ = _pair()
     start = student.weight.detach().clone()

@@ -330,7 +330,7 @@ def _convert_layer(src: Source, s: Settings, t: _Layers, layer: int, module: tor
                 native = written_attention(t.target.config, layer, tensors, dev, s.format)
                 attend = lambda x: native(x, position_embeddings=t.tgt_pe, attention_mask=t.mask)[0]  # noqa: E731
                 if s.fit_steps:
-                    fit = fit_attention(native, attend, source_attn, norm1, h_cal, s.fit_steps, s.fit_lr, dev)
+                    fit = fit_attention(native, attend, source_attn, norm1, h_cal, s.fit_steps, s.fit_lr, dev, start=tensors)
                     engine_info = {**engine_info, "fit": fit.as_dict()}
                     fitted = native.state_dict()
                     tensors = {n: fitted[n].to(s.out_dtype) for n in tensors}

@@ -67,30 +67,53 @@ def _batches(rows: RowStore, per_step: int) -> Callable[[int], torch.Tensor]:
     return batch
 
 
+def by_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn over a batch [B, T, D] one row at a time (no autograd): one row's attention temporaries resident."""
+    return torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+def backward_by_row(attend: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> None:
+    """Accumulate the gradient of rel_err(attend(x), target) over the batch one row at a time.
+
+    The error's denominator is the whole batch's, so the rows' terms add up to the batch error and their
+    gradients to its gradient (up to the order of the sums). What autograd keeps for the backward is one
+    row's activations, not the batch's: a [T, T]-sized block per head, where the batch would hold
+    ROWS_PER_STEP of them (on the Llama-3.1-8B shape, several GB)."""
+    denom = target.pow(2).sum().clamp_min(1e-30)
+    with torch.enable_grad():  # the converter runs under no_grad
+        for i in range(x.shape[0]):  # x, target [B, T, D]
+            ((attend(x[i : i + 1]) - target[i : i + 1]).pow(2).sum() / denom).backward()
+
+
 def _mean_error(student: Callable, teacher: Callable, inputs: Callable[[int], torch.Tensor], count: int) -> float:
     total = 0.0
     with torch.no_grad():
         for k in range(count):
             x = inputs(k)  # read and normalised once for both
-            total += float(rel_err(student(x), teacher(x)))
+            total += float(rel_err(by_row(student, x), by_row(teacher, x)))
     return total / count
 
 
 def fit_attention(module: torch.nn.Module, attend: Callable[[torch.Tensor], torch.Tensor],
                   source: Callable[[torch.Tensor], torch.Tensor], attn_input: Callable[[torch.Tensor], torch.Tensor],
-                  rows: RowStore, steps: int, lr: float, dev: str) -> FitResult:
+                  rows: RowStore, steps: int, lr: float, dev: str,
+                  start: dict[str, torch.Tensor] | None = None) -> FitResult:
     """Fit `module`'s parameters in place so that attend(x) follows source(x) on the calibration rows.
 
     attend / source: the written and the source attention, x [B, T, D] -> [B, T, D]; attn_input maps a
     batch of residual-stream rows to x (the layer's input norm). The error before and after is the
-    mean over the first ROWS_PER_STEP-row batches that cover the rows once (at most 8 of them)."""
+    mean over the first ROWS_PER_STEP-row batches that cover the rows once (at most 8 of them).
+    start: the tensors the module was loaded from, by parameter name (any float dtype that holds them
+    exactly, e.g. the bf16 tensors about to be written); restored from when the fit ends worse. Without
+    it the starting weights are copied first, one more fp32 copy of the layer's attention."""
     batch = _batches(rows, ROWS_PER_STEP)
     inputs = lambda k: attn_input(batch(k).to(dev))  # noqa: E731
     check = min(8, max(1, math.ceil(rows.rows / ROWS_PER_STEP)))
     before = _mean_error(attend, source, inputs, check)
     if before < EXACT_REL_ERR:
         return FitResult(0, before, before, "exact")
-    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    if start is None:
+        start = {n: p.detach().clone() for n, p in module.named_parameters()}
     params = [p for p in module.parameters()]
     for p in params:
         p.requires_grad_(True)
@@ -98,13 +121,11 @@ def fit_attention(module: torch.nn.Module, attend: Callable[[torch.Tensor], torc
     for k in range(steps):
         with torch.no_grad():
             x = inputs(k)
-            target = source(x)
+            target = by_row(source, x)
         for group in opt.param_groups:
             group["lr"] = lr_at(k, steps, lr)
-        with torch.enable_grad():  # the converter runs under no_grad
-            loss = rel_err(attend(x), target)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+        opt.zero_grad(set_to_none=True)
+        backward_by_row(attend, x, target)
         opt.step()
     for p in params:
         p.requires_grad_(False)
