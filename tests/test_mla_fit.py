@@ -4,6 +4,7 @@ made worse, leaves an exact conversion exact, and is reported per layer."""
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from hypothesis import given, settings, strategies as st
@@ -82,10 +83,10 @@ class _CausalAttention(torch.nn.Module):
 
 @settings(max_examples=10, deadline=None)
 @given(rows=st.integers(1, 5), T=st.integers(1, 9), H=st.sampled_from([1, 2, 4]), d=st.sampled_from([2, 4, 8]),
-       bias=st.booleans(), seed=st.integers(0, 1000))
-def test_the_row_by_row_gradient_is_the_batch_gradient(rows, T, H, d, bias, seed):
-    """backward_by_row accumulates exactly the gradient of the batch's relative error, while the layer only
-    ever sees one row (what bounds the fit's activations)."""
+       bias=st.booleans(), per=st.integers(1, 6), seed=st.integers(0, 1000))
+def test_the_chunked_gradient_is_the_batch_gradient(rows, T, H, d, bias, per, seed):
+    """backward_by_rows accumulates the gradient of the batch's relative error while the layer only ever
+    sees chunks of `per` rows (CHUNK_VALUES, what bounds the fit's activations)."""
     torch.manual_seed(seed)
     layer = _CausalAttention(H * d, H, bias).double()
     x, target = torch.randn(rows, T, H * d, dtype=torch.float64), torch.randn(rows, T, H * d, dtype=torch.float64)
@@ -97,12 +98,21 @@ def test_the_row_by_row_gradient_is_the_batch_gradient(rows, T, H, d, bias, seed
     def attend(batch: torch.Tensor) -> torch.Tensor:
         seen.append(batch.shape[0])
         return layer(batch)
-    fit.backward_by_row(attend, x, target)
-    assert seen == [1] * rows
+    with mock.patch.object(fit, "CHUNK_VALUES", per * T * H * d):
+        fit.backward_by_rows(attend, x, target)
+        with torch.no_grad():
+            torch.testing.assert_close(fit.by_rows(layer, x), layer(x), rtol=1e-10, atol=1e-12)
+    assert seen == [per] * (rows // per) + ([rows % per] if rows % per else [])
     for n, p in layer.named_parameters():
         torch.testing.assert_close(p.grad, whole[n], rtol=1e-10, atol=1e-12)
-    with torch.no_grad():
-        torch.testing.assert_close(fit.by_row(layer, x), layer(x), rtol=1e-10, atol=1e-12)
+
+
+def test_chunks_are_whole_batches_on_small_layers_and_rows_on_wide_ones():
+    """The reference's 4 x 1,024-token batch (D 256) is one chunk, as before chunking; the 1B shape's (D 2,048)
+    and the 8B shape's (D 4,096) go a row at a time."""
+    assert fit.row_chunks(torch.empty(4, 1024, 256)) == [slice(0, 8)]
+    assert fit.row_chunks(torch.empty(4, 1024, 2048)) == [slice(i, i + 1) for i in range(4)]
+    assert fit.row_chunks(torch.empty(3, 1024, 4096)) == [slice(i, i + 1) for i in range(3)]
 
 
 def test_an_exact_layer_is_not_fitted(tmp_path):
