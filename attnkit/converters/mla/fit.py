@@ -87,8 +87,7 @@ def backward_by_rows(attend: Callable[[torch.Tensor], torch.Tensor], x: torch.Te
     The error's denominator is the whole batch's, so the chunks' terms add up to the batch error and their
     gradients to its gradient (up to the order of the sums; one chunk is the batch's own computation). What
     autograd keeps for the backward is one chunk's activations: the layer's projections, RoPE products and
-    attention outputs, about 40 floats per hidden value on the Llama-3.1-8B shape (0.7 GB for one row of
-    1,024 tokens, where the 4-row batch held 2.8 GB)."""
+    attention outputs (about 0.7 GB for one 1,024-token row of the Llama-3.1-8B shape; docs/memory.md)."""
     denom = target.pow(2).sum().clamp_min(1e-30)
     with torch.enable_grad():  # the converter runs under no_grad
         for c in row_chunks(x):  # x, target [B, T, D]
