@@ -59,9 +59,15 @@ def test_a_fit_that_ends_worse_is_restored_from_the_given_start(tmp_path):
     student, source = _pair()
     with torch.no_grad():
         student.weight.copy_(student.weight.to(torch.bfloat16).float())  # a layer loaded from bf16 tensors
-    written = {"weight": student.weight.detach().to(torch.bfloat16)}
+    read = []
+
+    class Written(dict):
+        def __getitem__(self, name):
+            read.append(name)
+            return super().__getitem__(name)
+    written = Written(weight=student.weight.detach().to(torch.bfloat16))
     r = fit.fit_attention(student, student, source, lambda x: x, _rows(tmp_path), 10, 1e4, "cpu", start=written)
-    assert r.kept == "start"
+    assert r.kept == "start" and read == ["weight"]
     assert student.weight.dtype == torch.float32 and torch.equal(student.weight, written["weight"].float())
 
 
