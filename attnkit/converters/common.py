@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import torch
 
+from attnkit.converters.options import calib_seq_len
 from attnkit.data import pack_tokens
 from attnkit.errors import AttnkitError
 from attnkit.io.checkpoint import weights_fingerprint
@@ -59,8 +60,6 @@ class StreamSettings:
 
 def stream_fields(args: argparse.Namespace, src_dtype: torch.dtype) -> dict:
     """`StreamSettings`' fields from the command line (the output dtype defaults to the source's)."""
-    from attnkit.converters.options import calib_seq_len
-
     seq_len = calib_seq_len(args)  # also for callers that do not go through `attnkit convert` (benchmarks' `prepare`)
     for name, value in (("calib_tokens", args.calib_tokens), ("calib_seq_len", seq_len)):
         if value <= 1:
